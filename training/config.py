@@ -1,0 +1,244 @@
+"""One rule for a run's settings.
+
+Values come from the DeepSpeed JSON file first; then the CLI flags that name a key override it
+(`FLAG_KEYS` says which); then every "auto" is resolved; then the batch triplet
+`train_batch_size = micro_batch x grad_accum x data_parallel_world` is derived and checked here
+and nowhere else. Every failure is a `ConfigError` with one line naming the file and key.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad config or flag, found before any work starts."""
+
+
+# Top-level keys DeepSpeed understands (0.19). A typo here would be silently ignored by
+# DeepSpeed, so anything else is refused. Keys starting with "_" are comments and are dropped.
+KNOWN_KEYS = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "steps_per_print", "dump_state", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
+    "amp", "torch_autocast", "gradient_clipping", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "zero_optimization",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
+    "flops_profiler", "wall_clock_breakdown", "memory_breakdown", "tensorboard", "wandb",
+    "csv_monitor", "comet", "comms_logger", "aio", "pipeline", "checkpoint", "data_types",
+    "data_efficiency", "curriculum_learning", "compression_training", "elasticity",
+    "autotuning", "communication_data_type", "seq_parallel_communication_data_type",
+    "disable_allgather", "sparse_attention", "compile", "nebula", "timers",
+    "weight_quantization", "hybrid_engine", "eigenvalue", "progressive_layer_drop",
+    "quantize_training", "mics_shard_size", "mics_hierarchical_params_gather",
+    "graph_harvesting", "dataloader_drop_last", "use_data_before_expert_parallel_",
+    "zero_quantized_weights", "zero_quantized_gradients", "tensor_parallel",
+}
+
+# CLI flag (argparse dest) -> the DeepSpeed key it overrides.
+FLAG_KEYS = {
+    "micro_batch": "train_micro_batch_size_per_gpu",
+    "grad_accum": "gradient_accumulation_steps",
+    "global_batch": "train_batch_size",
+    "grad_clip": "gradient_clipping",
+}
+
+DEFAULT_MICRO_BATCH = 4
+
+
+def load_json(path: str | Path) -> dict:
+    """Read a JSON config; one line on a missing file or bad JSON."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})")
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{p}: the top level must be a JSON object")
+    return cfg
+
+
+def check_keys(cfg: dict, source: str) -> dict:
+    """Drop comment keys and refuse unknown top-level keys (with a suggestion)."""
+    out = {}
+    for k, v in cfg.items():
+        if k.startswith("_"):
+            continue
+        if k not in KNOWN_KEYS:
+            near = difflib.get_close_matches(k, sorted(KNOWN_KEYS), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{source}: unknown top-level key {k!r}{hint}")
+        out[k] = v
+    return out
+
+
+def zero_stage(cfg: dict) -> int:
+    return int(cfg.get("zero_optimization", {}).get("stage", 0))
+
+
+def pipeline_stages(cfg: dict) -> int:
+    return int(cfg.get("pipeline", {}).get("stages", 1))
+
+
+def precision(cfg: dict) -> str:
+    """'bf16', 'fp16' or 'fp32', as the config asks."""
+    fp16 = bool(cfg.get("fp16", {}).get("enabled", False))
+    bf16 = bool(cfg.get("bf16", cfg.get("bfloat16", {})).get("enabled", False))
+    if fp16 and bf16:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true: pick one")
+    return "fp16" if fp16 else "bf16" if bf16 else "fp32"
+
+
+def resolve(
+    cfg: dict,
+    *,
+    world: int,
+    flags: dict[str, Any],
+    hidden_size: int,
+    source: str = "config",
+) -> dict:
+    """Apply flag overrides, resolve every "auto", derive and check the batch triplet.
+
+    `flags` holds the trainer's values (argparse dests); a None value means "not given".
+    Returns a new dict ready for `deepspeed.initialize` (no "auto" left anywhere)."""
+    cfg = check_keys(copy.deepcopy(cfg), source)
+    for flag, key in FLAG_KEYS.items():
+        if flags.get(flag) is not None:
+            cfg[key] = flags[flag]
+
+    stages = pipeline_stages(cfg)
+    if world % stages:
+        raise ConfigError(
+            f"{source}: world size {world} is not divisible by pipeline.stages={stages}"
+        )
+    _derive_batch(cfg, world // stages, source)
+
+    # Settings the trainer owns, written into DeepSpeed's sections where they are "auto".
+    autos = {
+        "gradient_clipping": flags.get("grad_clip_default", 1.0),
+        "optimizer.params.lr": flags.get("lr"),
+        "optimizer.params.betas": [flags.get("beta1"), flags.get("beta2")],
+        "optimizer.params.eps": flags.get("eps"),
+        "optimizer.params.weight_decay": flags.get("weight_decay"),
+        "zero_optimization.reduce_bucket_size": max(hidden_size * hidden_size, 50_000_000),
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
+        "zero_optimization.allgather_bucket_size": max(hidden_size * hidden_size, 50_000_000),
+        "bf16.enabled": True,
+        "fp16.enabled": False,
+    }
+    for path, value in _auto_paths(cfg):
+        if path not in autos or autos[path] is None or autos[path] == [None, None]:
+            raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
+        _set(cfg, path, autos[path])
+
+    precision(cfg)  # refuses fp16 + bf16 together
+    _check_combinations(cfg, source)
+    return cfg
+
+
+def _derive_batch(cfg: dict, dp: int, source: str) -> None:
+    def val(key):
+        v = cfg.get(key, "auto")
+        if v == "auto" or v is None:
+            return None
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{source}: {key} must be a positive integer, got {v!r}")
+        return v
+
+    tb = val("train_batch_size")
+    mb = val("train_micro_batch_size_per_gpu")
+    ga = val("gradient_accumulation_steps")
+    if tb and mb and ga:
+        if tb != mb * ga * dp:
+            raise ConfigError(
+                f"{source}: train_batch_size={tb} != train_micro_batch_size_per_gpu={mb} x "
+                f"gradient_accumulation_steps={ga} x data-parallel world {dp} (= {mb * ga * dp});"
+                f" set train_batch_size to {mb * ga * dp}, or drop one of the three (or set it"
+                f' to "auto") so it is derived'
+            )
+    elif tb and mb:
+        if tb % (mb * dp):
+            raise ConfigError(
+                f"{source}: train_batch_size={tb} is not a multiple of "
+                f"train_micro_batch_size_per_gpu={mb} x data-parallel world {dp}; change "
+                f"train_batch_size to a multiple of {mb * dp}"
+            )
+        ga = tb // (mb * dp)
+    elif tb and ga:
+        if tb % (ga * dp):
+            raise ConfigError(
+                f"{source}: train_batch_size={tb} is not a multiple of "
+                f"gradient_accumulation_steps={ga} x data-parallel world {dp}; change "
+                f"train_batch_size to a multiple of {ga * dp}"
+            )
+        mb = tb // (ga * dp)
+    elif tb:
+        if tb % dp:
+            raise ConfigError(
+                f"{source}: train_batch_size={tb} is not a multiple of the data-parallel "
+                f"world {dp}; change train_batch_size"
+            )
+        ga = 1
+        mb = tb // dp
+    else:
+        mb = mb or DEFAULT_MICRO_BATCH
+        ga = ga or 1
+    cfg["train_batch_size"] = mb * ga * dp
+    cfg["train_micro_batch_size_per_gpu"] = mb
+    cfg["gradient_accumulation_steps"] = ga
+
+
+def _check_combinations(cfg: dict, source: str) -> None:
+    stage = zero_stage(cfg)
+    zo = cfg.get("zero_optimization", {})
+    if pipeline_stages(cfg) > 1 and stage > 1:
+        raise ConfigError(
+            f"{source}: pipeline parallelism works with ZeRO stage 0 or 1 only (DeepSpeed "
+            f"refuses ZeRO-{stage} with pipelining); set zero_optimization.stage to 1"
+        )
+    off_opt = zo.get("offload_optimizer", {}).get("device", "none")
+    off_par = zo.get("offload_param", {}).get("device", "none")
+    if off_par not in ("none", None) and stage != 3:
+        raise ConfigError(f"{source}: offload_param needs ZeRO stage 3 (stage is {stage})")
+    if off_opt == "nvme" and stage != 3:
+        raise ConfigError(
+            f"{source}: offload_optimizer.device=nvme needs ZeRO stage 3; with stage {stage} "
+            "DeepSpeed silently falls back to CPU offload. Use device cpu, or stage 3"
+        )
+    if off_opt not in ("none", None):
+        if stage == 0:
+            raise ConfigError(f"{source}: offload_optimizer needs ZeRO stage 1, 2 or 3")
+        opt = cfg.get("optimizer", {}).get("type", "")
+        if opt.lower() not in ("adam", "adamw", "cpuadam"):
+            raise ConfigError(
+                f"{source}: offload_optimizer needs an \"optimizer\" section of type AdamW "
+                "(DeepSpeed then uses its CPU Adam); none was given"
+                if not opt
+                else f"{source}: offload_optimizer does not support optimizer type {opt!r}; "
+                "use AdamW"
+            )
+
+
+def _auto_paths(obj: Any, prefix: str = ""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _auto_paths(v, f"{prefix}.{k}" if prefix else k)
+    elif isinstance(obj, list):
+        if any(x == "auto" for x in obj):
+            yield prefix, obj
+    elif obj == "auto":
+        yield prefix, obj
+
+
+def _set(cfg: dict, path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    d = cfg
+    for p in parents:
+        d = d[p]
+    d[last] = value

@@ -1,0 +1,102 @@
+"""Process-group setup shared by every engine: rank, world, device and backend come from the
+launcher's environment and the accelerator, never from assumptions about CUDA."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def accelerator():
+    """DeepSpeed's accelerator abstraction (CPU here, CUDA/XPU/... elsewhere)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator()
+
+
+def setup(timeout_s: float = 600.0, local_rank_arg: int | None = None) -> DistInfo:
+    """Initialise torch.distributed from the launcher's env (torchrun or the deepspeed launcher).
+
+    A plain `python train.py` with no launcher env runs as a world of one. The backend is the
+    accelerator's (gloo on CPU, NCCL on CUDA); `timeout_s` bounds every collective so a dead
+    rank makes the others fail instead of hanging forever."""
+    env = os.environ
+    if "RANK" not in env:  # single process, no launcher
+        env.setdefault("RANK", "0")
+        env.setdefault("WORLD_SIZE", "1")
+        env.setdefault("LOCAL_RANK", "0")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+    rank = int(env["RANK"])
+    world = int(env["WORLD_SIZE"])
+    local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+
+    acc = accelerator()
+    backend = acc.communication_backend_name()
+    if acc.device_name() == "cpu":
+        device = torch.device("cpu")
+        # Share the cores between the ranks on this host instead of oversubscribing them.
+        if "OMP_NUM_THREADS" not in env or local_world > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    else:
+        acc.set_device(local_rank)
+        device = torch.device(acc.device_name(local_rank))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return DistInfo(rank, world, local_rank, local_world, device, backend)
+
+
+def teardown() -> None:
+    """Destroy the process group; skipping this aborts some gloo runs at exit."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(values: list[float]) -> list[float]:
+    """Mean of each value across ranks (one collective for the whole list)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.tolist()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

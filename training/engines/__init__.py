@@ -1,0 +1,41 @@
+"""The engines the one training loop drives. Each wraps a model and an optimizer and offers the
+same small interface:
+
+    module                      the unwrapped model (for export, generate, FLOPs)
+    forward_backward(x, y, boundary) -> loss   one micro-batch; grads reduced only on boundary
+    step() -> StepResult        optimizer step with clipping (after the last micro-batch)
+    set_lr(lr)                  the schedule's value for this step
+    eval_loss(x, y) -> loss     no-grad forward
+    save(root, tag, client)     write this engine's files for checkpoint `tag` (all ranks call)
+    load(root, tag)             restore them (all ranks call)
+    train() / eval()
+
+They differ only where the engines differ: DeepSpeed, DDP, FSDP2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepResult:
+    grad_norm: float | None
+    skipped: bool  # the update was not applied (fp16 overflow, non-finite gradients)
+
+
+def build_engine(kind: str, **kwargs):
+    """kind: 'deepspeed', 'ddp' or 'fsdp'."""
+    if kind == "deepspeed":
+        from training.engines.ds import DeepSpeedEngine
+
+        return DeepSpeedEngine(**kwargs)
+    if kind == "ddp":
+        from training.engines.ddp import DDPEngine
+
+        return DDPEngine(**kwargs)
+    if kind == "fsdp":
+        from training.engines.fsdp import FSDPEngine
+
+        return FSDPEngine(**kwargs)
+    raise ValueError(f"unknown backend {kind!r}; choose deepspeed, ddp or fsdp")

@@ -1,0 +1,77 @@
+"""DeepSpeed: `deepspeed.initialize` at the centre; ZeRO stage, offload and precision all come
+from the JSON config."""
+
+from __future__ import annotations
+
+import math
+
+import deepspeed
+import torch
+
+from training.engines import StepResult
+from training.optim import adamw, param_groups
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, *, model, ds_config: dict, settings, device: torch.device):
+        groups = param_groups(model, settings.weight_decay)
+        optimizer = None
+        if "optimizer" not in ds_config:
+            # Our own AdamW (fused on this device); DeepSpeed wraps it for ZeRO.
+            optimizer = adamw(groups, lr=settings.lr, betas=(settings.beta1, settings.beta2),
+                              eps=settings.eps, device_type=device.type)
+        # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
+        # from the same parameter groups.
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=groups if optimizer is None else None,
+            config=ds_config,
+        )
+        self.device = device
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
+        loss = self.engine(input_ids=x, labels=y, shift_labels=y).loss
+        self.engine.backward(loss)
+        if not boundary:
+            self.engine.step()  # DeepSpeed counts micro-steps; no reduction, no update here
+        return loss.detach()
+
+    def step(self) -> StepResult:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if isinstance(norm, torch.Tensor):
+            norm = norm.item()
+        skipped = not self.engine.was_step_applied()
+        return StepResult(None if norm is None or not math.isfinite(norm) else float(norm),
+                          skipped)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    @torch.no_grad()
+    def eval_loss(self, x, y) -> torch.Tensor:
+        return self.engine(input_ids=x, labels=y, shift_labels=y).loss.detach()
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def save(self, root, tag: str, client_state: dict) -> None:
+        # universal_checkpoint_info is what ds_to_universal needs to convert ZeRO-1/2 files.
+        state = {"universal_checkpoint_info": {}, **client_state}
+        self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
+
+    def load(self, root, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(str(root), tag=tag, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {root}/{tag}")

@@ -1,0 +1,281 @@
+"""zerostack's train entry point.
+
+    deepspeed --num_gpus 2 training/train.py --ds_config ds_configs/zero2.json \
+        --data DATA_DIR --model small --out runs/small
+    torchrun --nproc_per_node 2 training/train.py --backend ddp --data DATA_DIR --out runs/ddp
+
+Settings: the DeepSpeed JSON gives the batch triplet, precision, ZeRO stage and clipping; the
+flags --micro-batch, --grad-accum, --global-batch and --grad-clip override those keys; every
+"auto" is then resolved (training/config.py). Re-running with the same --out resumes from the
+latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by the launchers: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train a causal LM with DeepSpeed, DDP or FSDP2.")
+    a = p.add_argument
+    a("--backend", choices=["deepspeed", "ddp", "fsdp"], default="deepspeed")
+    a("--ds_config", "--ds-config", "--deepspeed_config", dest="ds_config", default=None,
+      help="DeepSpeed JSON (default ds_configs/zero2.json; ddp/fsdp read its batch, precision "
+           "and clipping, default ds_configs/zero0.json)")
+    a("--data", required=True, help="a folder written by `python -m data.prepare`")
+    a("--model", default="small", help="preset name, or a local HF model folder")
+    a("--out", required=True, help="run folder (resumes if it holds checkpoints)")
+    a("--seq-len", type=int, default=256)
+    a("--steps", type=int, default=200, help="optimizer steps in total")
+    a("--micro-batch", type=int, default=None, help="overrides train_micro_batch_size_per_gpu")
+    a("--grad-accum", type=int, default=None, help="overrides gradient_accumulation_steps")
+    a("--global-batch", type=int, default=None, help="overrides train_batch_size")
+    a("--grad-clip", type=float, default=None, help="overrides gradient_clipping")
+    a("--lr", type=float, default=1e-3)
+    a("--min-lr-ratio", type=float, default=0.1)
+    a("--warmup", type=int, default=20)
+    a("--weight-decay", type=float, default=0.1)
+    a("--beta1", type=float, default=0.9)
+    a("--beta2", type=float, default=0.95)
+    a("--eps", type=float, default=1e-8)
+    a("--seed", type=int, default=1234)
+    a("--log-every", type=int, default=10)
+    a("--eval-every", type=int, default=100, help="0: only at the end")
+    a("--eval-samples", type=int, default=64, help="validation windows per evaluation")
+    a("--save-every", type=int, default=100, help="0: only at the end; -1: never")
+    a("--keep-last", type=int, default=3)
+    a("--activation-checkpointing", action="store_true")
+    a("--precision", choices=["bf16", "fp16", "fp32"], default=None,
+      help="ddp/fsdp only; overrides what the config says")
+    a("--resume", default="auto", help="auto | never | a run or checkpoint folder")
+    a("--peak-tflops", type=float, default=None,
+      help="per-rank peak for MFU (default: measured once and cached)")
+    a("--wandb", action="store_true", help="also log to Weights & Biases (offline works)")
+    a("--dist-timeout", type=float, default=600.0, help="seconds before a collective gives up")
+    a("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+@dataclass
+class Settings:
+    """The flags, typed; the loop and engines read it."""
+    backend: str
+    ds_config: str | None
+    data: str
+    model: str
+    out: str
+    seq_len: int
+    steps: int
+    micro_batch: int | None
+    grad_accum: int | None
+    global_batch: int | None
+    grad_clip: float | None
+    lr: float
+    min_lr_ratio: float
+    warmup: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    seed: int
+    log_every: int
+    eval_every: int
+    eval_samples: int
+    save_every: int
+    keep_last: int
+    activation_checkpointing: bool
+    precision: str | None
+    resume: str
+    peak_tflops: float | None
+    wandb: bool
+    dist_timeout: float
+    local_rank: int | None
+
+
+def prepare_run(s: Settings, world: int):
+    """Everything that can be checked before any process group or model exists.
+    Returns (resolved ds config, data manifest, model config, resume target)."""
+    from data import load_manifest
+    from training import checkpoint, config
+
+    if s.steps < 1:
+        raise config.ConfigError(f"--steps must be at least 1, got {s.steps}")
+    if s.seq_len < 2:
+        raise config.ConfigError(f"--seq-len must be at least 2, got {s.seq_len}")
+    default_cfg = "zero2.json" if s.backend == "deepspeed" else "zero0.json"
+    cfg_path = s.ds_config or str(REPO / "ds_configs" / default_cfg)
+    raw = config.load_json(cfg_path)
+    manifest = load_manifest(s.data)
+    model_cfg = _model_config(s.model, manifest.vocab_size)
+    ds_cfg = config.resolve(raw, world=world, flags=vars(s), hidden_size=model_cfg.hidden_size,
+                            source=cfg_path)
+    prec = s.precision or config.precision(ds_cfg)
+    if s.backend == "deepspeed" and prec == "fp16":
+        from training.distributed import accelerator
+
+        acc = accelerator()
+        if not acc.is_fp16_supported():
+            raise config.ConfigError(
+                f"{cfg_path}: fp16 is not supported on this device ({acc.device_name()}: no "
+                "fp16 kernels); use a bf16 config such as ds_configs/zero2.json, or fp32.json")
+    if s.backend != "deepspeed" and config.pipeline_stages(ds_cfg) > 1:
+        raise config.ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
+    resume = checkpoint.resolve_resume(s.resume, Path(s.out))
+    return ds_cfg, manifest, model_cfg, resume, cfg_path
+
+
+def _model_config(spec: str, vocab_size: int):
+    """The model's config without building it (presets and folders), for early checks."""
+    from models import ModelError, get_config
+
+    path = Path(spec)
+    if path.is_dir():
+        from transformers import AutoConfig
+
+        if not (path / "config.json").is_file():
+            raise ModelError(f"--model {spec}: folder has no config.json, so it holds no model")
+        return AutoConfig.from_pretrained(path)
+    if "/" in spec or spec.startswith("."):
+        raise ModelError(f"--model {spec}: no such folder")
+    return get_config(spec, vocab_size=vocab_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    s = Settings(**vars(parser().parse_args(argv)))
+    from data import DataError
+    from models import ModelError
+    from training.checkpoint import CheckpointError
+    from training.config import ConfigError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        ds_cfg, manifest, model_cfg, resume, cfg_path = prepare_run(s, world)
+    except (ConfigError, DataError, ModelError, CheckpointError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return _train(s, ds_cfg, manifest, model_cfg, resume, cfg_path)
+
+
+def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str) -> int:
+    import torch
+
+    from data import BatchLoader, TokenDataset
+    from models import build_model, flops_per_token
+    from training import checkpoint
+    from training import config as C
+    from training import distributed as D
+    from training.engines import build_engine
+    from training.loop import LoopState, run
+    from training.metrics import RunLogger, peak_flops
+
+    dist = D.setup(timeout_s=s.dist_timeout, local_rank_arg=s.local_rank)
+    run_dir = Path(s.out)
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    D.barrier()
+
+    torch.manual_seed(s.seed)  # same initial weights on every rank, before the model exists
+    stage = C.zero_stage(ds_cfg)
+    model = build_model(
+        s.model, vocab_size=manifest.vocab_size,
+        zero3_config=ds_cfg if (s.backend == "deepspeed" and stage == 3) else None)
+    if s.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    fpt = flops_per_token(model.config, s.seq_len, n_params=n_params)
+
+    precision = s.precision or C.precision(ds_cfg)
+    engine = build_engine(s.backend, model=model, ds_config=ds_cfg, settings=s, device=dist.device,
+                          **({} if s.backend == "deepspeed" else {"precision": precision}))
+
+    micro = ds_cfg["train_micro_batch_size_per_gpu"]
+    accum = ds_cfg["gradient_accumulation_steps"]
+    train_ds = TokenDataset(s.data, "train", s.seq_len)
+    val_ds = TokenDataset(s.data, "val", s.seq_len)
+    loader = BatchLoader(train_ds, micro, dist.rank, dist.world, s.seed)
+    state = LoopState()
+
+    if resume is not None:
+        root, tag = resume
+        engine.load(root, tag)
+        ts = checkpoint.load_trainer_state(root, tag)
+        state = LoopState(step=ts["step"], tokens=ts["tokens"], skipped=ts.get("skipped", 0))
+        loader.load_state_dict(ts["data"])
+        rngs = ts.get("rng", [])
+        if ts.get("world") == dist.world and dist.rank < len(rngs):
+            checkpoint.set_rng_state(rngs[dist.rank])
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    peak = s.peak_tflops * 1e12 if s.peak_tflops else None
+    if peak is None:
+        peak = D.broadcast_object(peak_flops(dist.device, dtype) if dist.is_main else None)
+    peak_total = peak * dist.world
+
+    resolved = {
+        "flags": vars(s), "ds_config_file": cfg_path, "ds_config": ds_cfg,
+        "model_config": model.config.to_dict(), "n_params": n_params, "flops_per_token": fpt,
+        "data": {"dir": str(Path(s.data).resolve()), "source": manifest.source,
+                 "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None)},
+        "world": dist.world, "backend": dist.backend, "device": str(dist.device),
+        "precision": precision, "peak_flops_per_rank": peak, "versions": _versions(),
+        "git_commit": _git_commit(),
+    }
+    logger = RunLogger(run_dir, dist.is_main, s.steps, state.step, wandb=s.wandb,
+                       run_name=run_dir.name, config=resolved)
+    if dist.is_main:
+        (run_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=1, default=str))
+        logger.console(
+            f"zerostack: {s.backend} | {Path(cfg_path).name} | ZeRO-{stage} | {precision} | "
+            f"world {dist.world} ({dist.backend}) | model {s.model} {n_params / 1e6:.2f}M params | "
+            f"batch {micro}x{accum}x{dist.world}x{s.seq_len} tokens"
+            + (f" | resumed from {resume[1]}" if resume else ""))
+
+    if state.step >= s.steps:
+        logger.console(f"already trained {state.step} steps; nothing to do")
+        last_eval = {}
+    else:
+        last_eval = run(engine=engine, loader=loader, val_dataset=val_ds, state=state, settings=s,
+                        dist=dist, logger=logger, run_dir=run_dir, grad_accum=accum,
+                        micro_batch=micro, flops_per_token=fpt, peak_flops=peak_total,
+                        trainer_extra={"seed": s.seed, "backend": s.backend, "zero_stage": stage,
+                                       "model": s.model, "data_dir": str(Path(s.data).resolve()),
+                                       "seq_len": s.seq_len})
+    if dist.is_main and last_eval:
+        (run_dir / "final_eval.json").write_text(json.dumps({"step": state.step, **last_eval}))
+    logger.close()
+    D.teardown()
+    return 0
+
+
+def _versions() -> dict:
+    import deepspeed
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "python": sys.version.split()[0]}
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
