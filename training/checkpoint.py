@@ -40,8 +40,11 @@ def rng_state() -> dict:
 
     import numpy as np
 
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-            "python": random.getstate()}
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -125,8 +128,11 @@ def complete_tags(root: Path) -> list[str]:
     """Complete checkpoint tags under root, oldest first."""
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
-                  and is_complete(p))
+    return sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith("step_") and is_complete(p)
+    )
 
 
 def find_latest(root: Path) -> str | None:

@@ -22,20 +22,63 @@ class ConfigError(ValueError):
 # Top-level keys DeepSpeed understands (0.19). A typo here would be silently ignored by
 # DeepSpeed, so anything else is refused. Keys starting with "_" are comments and are dropped.
 KNOWN_KEYS = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "steps_per_print", "dump_state", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
-    "amp", "torch_autocast", "gradient_clipping", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "zero_optimization",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
-    "flops_profiler", "wall_clock_breakdown", "memory_breakdown", "tensorboard", "wandb",
-    "csv_monitor", "comet", "comms_logger", "aio", "pipeline", "checkpoint", "data_types",
-    "data_efficiency", "curriculum_learning", "compression_training", "elasticity",
-    "autotuning", "communication_data_type", "seq_parallel_communication_data_type",
-    "disable_allgather", "sparse_attention", "compile", "nebula", "timers",
-    "weight_quantization", "hybrid_engine", "eigenvalue", "progressive_layer_drop",
-    "quantize_training", "mics_shard_size", "mics_hierarchical_params_gather",
-    "graph_harvesting", "dataloader_drop_last", "use_data_before_expert_parallel_",
-    "zero_quantized_weights", "zero_quantized_gradients", "tensor_parallel",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "steps_per_print",
+    "dump_state",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "amp",
+    "torch_autocast",
+    "gradient_clipping",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "zero_optimization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "activation_checkpointing",
+    "flops_profiler",
+    "wall_clock_breakdown",
+    "memory_breakdown",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "aio",
+    "pipeline",
+    "checkpoint",
+    "data_types",
+    "data_efficiency",
+    "curriculum_learning",
+    "compression_training",
+    "elasticity",
+    "autotuning",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "disable_allgather",
+    "sparse_attention",
+    "compile",
+    "nebula",
+    "timers",
+    "weight_quantization",
+    "hybrid_engine",
+    "eigenvalue",
+    "progressive_layer_drop",
+    "quantize_training",
+    "mics_shard_size",
+    "mics_hierarchical_params_gather",
+    "graph_harvesting",
+    "dataloader_drop_last",
+    "use_data_before_expert_parallel_",
+    "zero_quantized_weights",
+    "zero_quantized_gradients",
+    "tensor_parallel",
 }
 
 # CLI flag (argparse dest) -> the DeepSpeed key it overrides.
@@ -85,12 +128,12 @@ def pipeline_stages(cfg: dict) -> int:
     return int(cfg.get("pipeline", {}).get("stages", 1))
 
 
-def precision(cfg: dict) -> str:
+def precision(cfg: dict, source: str = "config") -> str:
     """'bf16', 'fp16' or 'fp32', as the config asks."""
     fp16 = bool(cfg.get("fp16", {}).get("enabled", False))
     bf16 = bool(cfg.get("bf16", cfg.get("bfloat16", {})).get("enabled", False))
     if fp16 and bf16:
-        raise ConfigError("fp16.enabled and bf16.enabled are both true: pick one")
+        raise ConfigError(f"{source}: fp16.enabled and bf16.enabled are both true: pick one")
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 
@@ -132,12 +175,12 @@ def resolve(
         "bf16.enabled": True,
         "fp16.enabled": False,
     }
-    for path, value in _auto_paths(cfg):
+    for path, _value in _auto_paths(cfg):
         if path not in autos or autos[path] is None or autos[path] == [None, None]:
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
         _set(cfg, path, autos[path])
 
-    precision(cfg)  # refuses fp16 + bf16 together
+    precision(cfg, source)  # refuses fp16 + bf16 together
     _check_combinations(cfg, source)
     return cfg
 
@@ -217,7 +260,7 @@ def _check_combinations(cfg: dict, source: str) -> None:
         opt = cfg.get("optimizer", {}).get("type", "")
         if opt.lower() not in ("adam", "adamw", "cpuadam"):
             raise ConfigError(
-                f"{source}: offload_optimizer needs an \"optimizer\" section of type AdamW "
+                f'{source}: offload_optimizer needs an "optimizer" section of type AdamW '
                 "(DeepSpeed then uses its CPU Adam); none was given"
                 if not opt
                 else f"{source}: offload_optimizer does not support optimizer type {opt!r}; "

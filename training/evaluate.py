@@ -9,8 +9,16 @@ import torch
 import torch.distributed as dist
 
 
-def evaluate(engine, val_dataset, *, micro_batch: int, rank: int, world: int,
-             max_samples: int | None, device: torch.device) -> dict:
+def evaluate(
+    engine,
+    val_dataset,
+    *,
+    micro_batch: int,
+    rank: int,
+    world: int,
+    max_samples: int | None,
+    device: torch.device,
+) -> dict:
     """Returns {"val_loss", "ppl", "bpb"}; every rank must call it (ZeRO-3 forwards gather)."""
     from data import eval_batches
 

@@ -24,9 +24,22 @@ class LoopState:
     skipped: int = 0  # updates not applied (fp16 overflow, non-finite)
 
 
-def run(*, engine, loader, val_dataset, state: LoopState, settings, dist, logger,
-        run_dir: Path, grad_accum: int, micro_batch: int, flops_per_token: float,
-        peak_flops: float, trainer_extra: dict) -> dict:
+def run(
+    *,
+    engine,
+    loader,
+    val_dataset,
+    state: LoopState,
+    settings,
+    dist,
+    logger,
+    run_dir: Path,
+    grad_accum: int,
+    micro_batch: int,
+    flops_per_token: float,
+    peak_flops: float,
+    trainer_extra: dict,
+) -> dict:
     """Train until settings.steps; returns the last evaluation."""
     device = dist.device
     seq_len = settings.seq_len
@@ -35,30 +48,51 @@ def run(*, engine, loader, val_dataset, state: LoopState, settings, dist, logger
     last_eval: dict = {}
 
     def do_save():
-        trainer_state = {"step": state.step, "tokens": state.tokens, "skipped": state.skipped,
-                         "data": loader.state_dict(), "world": dist.world, **trainer_extra}
-        checkpoint.save(engine, ckpt_root, state.step, trainer_state, settings.keep_last,
-                        dist.is_main)
+        trainer_state = {
+            "step": state.step,
+            "tokens": state.tokens,
+            "skipped": state.skipped,
+            "data": loader.state_dict(),
+            "world": dist.world,
+            **trainer_extra,
+        }
+        checkpoint.save(
+            engine, ckpt_root, state.step, trainer_state, settings.keep_last, dist.is_main
+        )
         logger.console(f"saved checkpoint {checkpoint.tag_for(state.step)}")
 
     def do_eval():
         nonlocal last_eval
-        last_eval = evaluate(engine, val_dataset, micro_batch=micro_batch, rank=dist.rank,
-                             world=dist.world, max_samples=settings.eval_samples, device=device)
+        last_eval = evaluate(
+            engine,
+            val_dataset,
+            micro_batch=micro_batch,
+            rank=dist.rank,
+            world=dist.world,
+            max_samples=settings.eval_samples,
+            device=device,
+        )
         logger.log({"kind": "eval", "step": state.step, **last_eval})
 
     engine.train()
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)  # no host sync per step
     n_loss, t_last, steps_since = 0, time.perf_counter(), 0
     while state.step < settings.steps:
-        lr = lr_at(state.step, lr=settings.lr, warmup=settings.warmup, total=settings.steps,
-                   min_lr_ratio=settings.min_lr_ratio)
+        lr = lr_at(
+            state.step,
+            lr=settings.lr,
+            warmup=settings.warmup,
+            total=settings.steps,
+            min_lr_ratio=settings.min_lr_ratio,
+        )
         engine.set_lr(lr)
         for micro in range(grad_accum):
             x, y = loader.next_batch()
-            loss = engine.forward_backward(x.to(device, non_blocking=True),
-                                           y.to(device, non_blocking=True),
-                                           boundary=micro == grad_accum - 1)
+            loss = engine.forward_backward(
+                x.to(device, non_blocking=True),
+                y.to(device, non_blocking=True),
+                boundary=micro == grad_accum - 1,
+            )
             loss_sum += loss.float()
             n_loss += 1
         result = engine.step()
@@ -71,16 +105,27 @@ def run(*, engine, loader, val_dataset, state: LoopState, settings, dist, logger
         if state.step % settings.log_every == 0 or state.step == settings.steps:
             elapsed = time.perf_counter() - t_last
             mean_loss, grad_norm = all_reduce_mean(
-                [loss_sum.item() / max(1, n_loss),
-                 result.grad_norm if result.grad_norm is not None else float("nan")])
+                [
+                    loss_sum.item() / max(1, n_loss),
+                    result.grad_norm if result.grad_norm is not None else float("nan"),
+                ]
+            )
             tps = steps_since * tokens_per_step / elapsed
             mem = peak_memory_bytes(device)
-            logger.log({
-                "kind": "train", "step": state.step, "loss": mean_loss, "lr": lr,
-                "grad_norm": None if math.isnan(grad_norm) else grad_norm,
-                "tokens_per_s": tps, "mfu": tps * flops_per_token / peak_flops,
-                "peak_mem_gb": mem / 2**30, "skipped": state.skipped, "tokens": state.tokens,
-            })
+            logger.log(
+                {
+                    "kind": "train",
+                    "step": state.step,
+                    "loss": mean_loss,
+                    "lr": lr,
+                    "grad_norm": None if math.isnan(grad_norm) else grad_norm,
+                    "tokens_per_s": tps,
+                    "mfu": tps * flops_per_token / peak_flops,
+                    "peak_mem_gb": mem / 2**30,
+                    "skipped": state.skipped,
+                    "tokens": state.tokens,
+                }
+            )
             loss_sum.zero_()
             n_loss, steps_since, t_last = 0, 0, time.perf_counter()
 
@@ -93,6 +138,9 @@ def run(*, engine, loader, val_dataset, state: LoopState, settings, dist, logger
 
     if not (settings.eval_every and state.step % settings.eval_every == 0):
         do_eval()
-    if not (settings.save_every and state.step % settings.save_every == 0) and settings.save_every >= 0:
+    if (
+        not (settings.save_every and state.step % settings.save_every == 0)
+        and settings.save_every >= 0
+    ):
         do_save()
     return last_eval

@@ -31,7 +31,10 @@ def _device_key(device: torch.device, dtype: torch.dtype, threads: int) -> str:
 
 
 def measure_peak_flops(
-    device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 2048, seconds: float = 1.5
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    size: int = 2048,
+    seconds: float = 1.5,
 ) -> float:
     """Best matmul FLOP/s this process reaches on `device` (its current thread count on CPU)."""
     a = torch.randn(size, size, device=device, dtype=dtype)
@@ -83,8 +86,16 @@ def peak_memory_bytes(device: torch.device) -> int:
 class RunLogger:
     """Rank-0 sink for metrics. Other ranks get a logger that does nothing."""
 
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int,
-                 wandb: bool = False, run_name: str | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        wandb: bool = False,
+        run_name: str | None = None,
+        config: dict | None = None,
+    ):
         self.enabled = enabled
         self.run_dir = run_dir
         self._bar = self._tb = self._wandb = None
@@ -102,12 +113,18 @@ class RunLogger:
             import wandb as wb
 
             os.environ.setdefault("WANDB_DIR", str(run_dir))
-            self._wandb = wb.init(project="zerostack", name=run_name, config=config,
-                                  dir=str(run_dir))
+            self._wandb = wb.init(
+                project="zerostack", name=run_name, config=config, dir=str(run_dir)
+            )
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                         disable=not _tty())
+        self._bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not _tty(),
+        )
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -119,8 +136,14 @@ class RunLogger:
             if isinstance(v, (int, float)) and k not in ("step", "time") and self._tb:
                 self._tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
         if self._wandb:
-            self._wandb.log({f"{record.get('kind', 'train')}/{k}": v for k, v in record.items()
-                             if isinstance(v, (int, float))}, step=step)
+            self._wandb.log(
+                {
+                    f"{record.get('kind', 'train')}/{k}": v
+                    for k, v in record.items()
+                    if isinstance(v, (int, float))
+                },
+                step=step,
+            )
         self.console(_fmt(record))
 
     def console(self, line: str) -> None:
@@ -159,9 +182,18 @@ def _tty() -> bool:
 def _fmt(r: dict) -> str:
     kind = r.get("kind", "train")
     parts = [f"{kind} step {r.get('step', 0)}"]
-    for k, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("ppl", ".2f"), ("bpb", ".4f"),
-                   ("lr", ".3e"), ("grad_norm", ".3f"), ("tokens_per_s", ",.0f"),
-                   ("mfu", ".1%"), ("peak_mem_gb", ".2f"), ("skipped", "d")):
+    for k, fmt in (
+        ("loss", ".4f"),
+        ("val_loss", ".4f"),
+        ("ppl", ".2f"),
+        ("bpb", ".4f"),
+        ("lr", ".3e"),
+        ("grad_norm", ".3f"),
+        ("tokens_per_s", ",.0f"),
+        ("mfu", ".1%"),
+        ("peak_mem_gb", ".2f"),
+        ("skipped", "d"),
+    ):
         if k in r and r[k] is not None:
             parts.append(f"{k} {format(r[k], fmt)}")
     return " | ".join(parts)

@@ -30,9 +30,15 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a causal LM with DeepSpeed, DDP or FSDP2.")
     a = p.add_argument
     a("--backend", choices=["deepspeed", "ddp", "fsdp"], default="deepspeed")
-    a("--ds_config", "--ds-config", "--deepspeed_config", dest="ds_config", default=None,
-      help="DeepSpeed JSON (default ds_configs/zero2.json; ddp/fsdp read its batch, precision "
-           "and clipping, default ds_configs/zero0.json)")
+    a(
+        "--ds_config",
+        "--ds-config",
+        "--deepspeed_config",
+        dest="ds_config",
+        default=None,
+        help="DeepSpeed JSON (default ds_configs/zero2.json; ddp/fsdp read its batch, precision "
+        "and clipping, default ds_configs/zero0.json)",
+    )
     a("--data", required=True, help="a folder written by `python -m data.prepare`")
     a("--model", default="small", help="preset name, or a local HF model folder")
     a("--out", required=True, help="run folder (resumes if it holds checkpoints)")
@@ -56,11 +62,19 @@ def parser() -> argparse.ArgumentParser:
     a("--save-every", type=int, default=100, help="0: only at the end; -1: never")
     a("--keep-last", type=int, default=3)
     a("--activation-checkpointing", action="store_true")
-    a("--precision", choices=["bf16", "fp16", "fp32"], default=None,
-      help="ddp/fsdp only; overrides what the config says")
+    a(
+        "--precision",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="ddp/fsdp only; overrides what the config says",
+    )
     a("--resume", default="auto", help="auto | never | a run or checkpoint folder")
-    a("--peak-tflops", type=float, default=None,
-      help="per-rank peak for MFU (default: measured once and cached)")
+    a(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="per-rank peak for MFU (default: measured once and cached)",
+    )
     a("--wandb", action="store_true", help="also log to Weights & Biases (offline works)")
     a("--dist-timeout", type=float, default=600.0, help="seconds before a collective gives up")
     a("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -70,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
 @dataclass
 class Settings:
     """The flags, typed; the loop and engines read it."""
+
     backend: str
     ds_config: str | None
     data: str
@@ -118,8 +133,9 @@ def prepare_run(s: Settings, world: int):
     raw = config.load_json(cfg_path)
     manifest = load_manifest(s.data)
     model_cfg = _model_config(s.model, manifest.vocab_size)
-    ds_cfg = config.resolve(raw, world=world, flags=vars(s), hidden_size=model_cfg.hidden_size,
-                            source=cfg_path)
+    ds_cfg = config.resolve(
+        raw, world=world, flags=vars(s), hidden_size=model_cfg.hidden_size, source=cfg_path
+    )
     prec = s.precision or config.precision(ds_cfg)
     if s.backend == "deepspeed" and prec == "fp16":
         from training.distributed import accelerator
@@ -128,7 +144,8 @@ def prepare_run(s: Settings, world: int):
         if not acc.is_fp16_supported():
             raise config.ConfigError(
                 f"{cfg_path}: fp16 is not supported on this device ({acc.device_name()}: no "
-                "fp16 kernels); use a bf16 config such as ds_configs/zero2.json, or fp32.json")
+                "fp16 kernels); use a bf16 config such as ds_configs/zero2.json, or fp32.json"
+            )
     if s.backend != "deepspeed" and config.pipeline_stages(ds_cfg) > 1:
         raise config.ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
     resume = checkpoint.resolve_resume(s.resume, Path(s.out))
@@ -190,16 +207,24 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     torch.manual_seed(s.seed)  # same initial weights on every rank, before the model exists
     stage = C.zero_stage(ds_cfg)
     model = build_model(
-        s.model, vocab_size=manifest.vocab_size,
-        zero3_config=ds_cfg if (s.backend == "deepspeed" and stage == 3) else None)
+        s.model,
+        vocab_size=manifest.vocab_size,
+        zero3_config=ds_cfg if (s.backend == "deepspeed" and stage == 3) else None,
+    )
     if s.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     fpt = flops_per_token(model.config, s.seq_len, n_params=n_params)
 
     precision = s.precision or C.precision(ds_cfg)
-    engine = build_engine(s.backend, model=model, ds_config=ds_cfg, settings=s, device=dist.device,
-                          **({} if s.backend == "deepspeed" else {"precision": precision}))
+    engine = build_engine(
+        s.backend,
+        model=model,
+        ds_config=ds_cfg,
+        settings=s,
+        device=dist.device,
+        **({} if s.backend == "deepspeed" else {"precision": precision}),
+    )
 
     micro = ds_cfg["train_micro_batch_size_per_gpu"]
     accum = ds_cfg["gradient_accumulation_steps"]
@@ -225,34 +250,69 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     peak_total = peak * dist.world
 
     resolved = {
-        "flags": vars(s), "ds_config_file": cfg_path, "ds_config": ds_cfg,
-        "model_config": model.config.to_dict(), "n_params": n_params, "flops_per_token": fpt,
-        "data": {"dir": str(Path(s.data).resolve()), "source": manifest.source,
-                 "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None)},
-        "world": dist.world, "backend": dist.backend, "device": str(dist.device),
-        "precision": precision, "peak_flops_per_rank": peak, "versions": _versions(),
+        "flags": vars(s),
+        "ds_config_file": cfg_path,
+        "ds_config": ds_cfg,
+        "model_config": model.config.to_dict(),
+        "n_params": n_params,
+        "flops_per_token": fpt,
+        "data": {
+            "dir": str(Path(s.data).resolve()),
+            "source": manifest.source,
+            "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None),
+        },
+        "world": dist.world,
+        "backend": dist.backend,
+        "device": str(dist.device),
+        "precision": precision,
+        "peak_flops_per_rank": peak,
+        "versions": _versions(),
         "git_commit": _git_commit(),
     }
-    logger = RunLogger(run_dir, dist.is_main, s.steps, state.step, wandb=s.wandb,
-                       run_name=run_dir.name, config=resolved)
+    logger = RunLogger(
+        run_dir,
+        dist.is_main,
+        s.steps,
+        state.step,
+        wandb=s.wandb,
+        run_name=run_dir.name,
+        config=resolved,
+    )
     if dist.is_main:
         (run_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=1, default=str))
         logger.console(
             f"zerostack: {s.backend} | {Path(cfg_path).name} | ZeRO-{stage} | {precision} | "
             f"world {dist.world} ({dist.backend}) | model {s.model} {n_params / 1e6:.2f}M params | "
             f"batch {micro}x{accum}x{dist.world}x{s.seq_len} tokens"
-            + (f" | resumed from {resume[1]}" if resume else ""))
+            + (f" | resumed from {resume[1]}" if resume else "")
+        )
 
     if state.step >= s.steps:
         logger.console(f"already trained {state.step} steps; nothing to do")
         last_eval = {}
     else:
-        last_eval = run(engine=engine, loader=loader, val_dataset=val_ds, state=state, settings=s,
-                        dist=dist, logger=logger, run_dir=run_dir, grad_accum=accum,
-                        micro_batch=micro, flops_per_token=fpt, peak_flops=peak_total,
-                        trainer_extra={"seed": s.seed, "backend": s.backend, "zero_stage": stage,
-                                       "model": s.model, "data_dir": str(Path(s.data).resolve()),
-                                       "seq_len": s.seq_len})
+        last_eval = run(
+            engine=engine,
+            loader=loader,
+            val_dataset=val_ds,
+            state=state,
+            settings=s,
+            dist=dist,
+            logger=logger,
+            run_dir=run_dir,
+            grad_accum=accum,
+            micro_batch=micro,
+            flops_per_token=fpt,
+            peak_flops=peak_total,
+            trainer_extra={
+                "seed": s.seed,
+                "backend": s.backend,
+                "zero_stage": stage,
+                "model": s.model,
+                "data_dir": str(Path(s.data).resolve()),
+                "seq_len": s.seq_len,
+            },
+        )
     if dist.is_main and last_eval:
         (run_dir / "final_eval.json").write_text(json.dumps({"step": state.step, **last_eval}))
     logger.close()
@@ -265,14 +325,22 @@ def _versions() -> dict:
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0]}
+    return {
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
 
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -20,8 +20,13 @@ class DeepSpeedEngine:
         optimizer = None
         if "optimizer" not in ds_config:
             # Our own AdamW (fused on this device); DeepSpeed wraps it for ZeRO.
-            optimizer = adamw(groups, lr=settings.lr, betas=(settings.beta1, settings.beta2),
-                              eps=settings.eps, device_type=device.type)
+            optimizer = adamw(
+                groups,
+                lr=settings.lr,
+                betas=(settings.beta1, settings.beta2),
+                eps=settings.eps,
+                device_type=device.type,
+            )
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
         # from the same parameter groups.
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -49,8 +54,7 @@ class DeepSpeedEngine:
         if isinstance(norm, torch.Tensor):
             norm = norm.item()
         skipped = not self.engine.was_step_applied()
-        return StepResult(None if norm is None or not math.isfinite(norm) else float(norm),
-                          skipped)
+        return StepResult(None if norm is None or not math.isfinite(norm) else float(norm), skipped)
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:

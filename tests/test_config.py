@@ -1,0 +1,115 @@
+"""The one rule for settings: file, then flags, then "auto", then the batch triplet."""
+
+import json
+
+import pytest
+
+from training import config as C
+
+FLAGS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+
+
+def resolve(cfg, world=2, **flags):
+    return C.resolve(cfg, world=world, flags={**FLAGS, **flags}, hidden_size=64, source="t.json")
+
+
+def test_every_shipped_config_resolves_with_no_auto_left(tmp_path):
+    for path in sorted((C.Path(__file__).parent.parent / "ds_configs").glob("*.json")):
+        out = resolve(C.load_json(path), micro_batch=2, grad_accum=3)
+        assert "auto" not in json.dumps(out), path
+        stages = out.get("pipeline", {}).get("stages", 1)
+        assert out["train_batch_size"] == 2 * 3 * (2 // stages)
+        assert not any(k.startswith("_") for k in out)
+
+
+@pytest.mark.parametrize(
+    "given, world, expect",
+    [
+        ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 2, (16, 2, 4)),
+        ({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 2, (16, 4, 2)),
+        ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 2, (12, 3, 2)),
+        ({"train_batch_size": 8}, 4, (8, 2, 1)),
+        ({}, 1, (C.DEFAULT_MICRO_BATCH, C.DEFAULT_MICRO_BATCH, 1)),
+    ],
+)
+def test_batch_triplet_is_derived(given, world, expect):
+    out = resolve(given, world=world)
+    assert (
+        out["train_batch_size"],
+        out["train_micro_batch_size_per_gpu"],
+        out["gradient_accumulation_steps"],
+    ) == expect
+
+
+def test_flags_override_file_keys():
+    out = resolve(
+        {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.5},
+        micro_batch=2,
+        grad_clip=2.0,
+    )
+    assert out["train_micro_batch_size_per_gpu"] == 2 and out["gradient_clipping"] == 2.0
+
+
+def test_auto_optimizer_params_come_from_flags():
+    cfg = {
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"},
+        }
+    }
+    out = resolve(cfg, lr=5e-4)
+    assert out["optimizer"]["params"] == {"lr": 5e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}
+
+
+@pytest.mark.parametrize(
+    "cfg, needle",
+    [
+        (
+            {
+                "train_batch_size": 10,
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 2,
+            },
+            "set train_batch_size to 8",
+        ),
+        ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, "multiple of 8"),
+        ({"train_batch_sise": 8}, "did you mean 'train_batch_size'"),
+        (
+            {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}},
+            'cannot resolve "auto" for zero_optimization.sub_group_size',
+        ),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
+        ({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}}, "ZeRO stage 0 or 1"),
+        ({"pipeline": {"stages": 3}}, "not divisible by pipeline.stages=3"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            'needs an "optimizer" section',
+        ),
+        (
+            {
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+                "optimizer": {"type": "AdamW"},
+            },
+            "silently falls back",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+            "offload_param needs ZeRO stage 3",
+        ),
+        ({"train_micro_batch_size_per_gpu": 0}, "must be a positive integer"),
+    ],
+)
+def test_bad_configs_fail_with_one_line_naming_the_problem(cfg, needle):
+    with pytest.raises(C.ConfigError) as e:
+        resolve(cfg)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg and msg.startswith("t.json")
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8,}')
+    with pytest.raises(C.ConfigError, match=r"bad.json: not valid JSON \(line 1"):
+        C.load_json(bad)
+    with pytest.raises(C.ConfigError, match="config file not found"):
+        C.load_json(tmp_path / "missing.json")
