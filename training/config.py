@@ -100,7 +100,9 @@ def load_json(path: str | Path) -> dict:
     try:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})")
+        raise ConfigError(
+            f"{p}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p}: the top level must be a JSON object")
     return cfg
