@@ -1,0 +1,321 @@
+"""Prepare a corpus for training: tokenizer, token shards, train/val split and manifest.json.
+
+    python -m data.prepare --source pystdlib --out data_cache/pystdlib
+    python -m data.prepare --source path/to/owt/ --out data_cache/owt --num-proc 8
+    python -m data.prepare --source Skylion007/openwebtext --out data_cache/owt --num-proc 16
+
+Documents stream from the source through a pool of tokenizer processes into shards, with a
+bounded number of batches in flight, so memory stays flat whatever the corpus size. Everything
+is written to a temporary folder that is renamed to --out once manifest.json is in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from data.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    TOKENIZER_DIR,
+    DataError,
+    Manifest,
+    load_manifest,
+    sha256_dir,
+    write_manifest,
+)
+from data.shards import unit_hash, write_splits
+from data.sources import Source, resolve_source
+
+DEFAULT_SHARD_TOKENS = 2**28  # 512 MB per uint16 shard
+
+
+def prepare(
+    source: str,
+    out: str | os.PathLike,
+    *,
+    vocab_size: int = 8192,
+    tokenizer: str | os.PathLike | None = None,
+    num_proc: int = 1,
+    val_fraction: float = 0.005,
+    max_docs: int | None = None,
+    text_field: str = "text",
+    seed: int = 0,
+    sample_bytes: int = 32_000_000,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    dtype: str = "auto",
+    progress: bool = True,
+) -> Path:
+    """Tokenize SOURCE into the dataset folder `out` and return it.
+
+    SOURCE is 'pystdlib', a local file/folder/glob (.txt, .jsonl, .parquet) or an HF hub name.
+    Trains a SentencePiece tokenizer of `vocab_size` on `sample_bytes` of text, or reuses the HF
+    tokenizer folder `tokenizer`. A complete folder prepared with the same arguments is reused
+    as is. Bad input raises DataError before any work.
+    """
+    from data.manifest import dtype_for_vocab
+    from data.tokenizer import (
+        check_hf_tokenizer,
+        copy_hf_tokenizer,
+        encoder,
+        special_ids,
+        train_tokenizer,
+    )
+
+    out = Path(out)
+    _check_options(vocab_size, num_proc, val_fraction, max_docs, sample_bytes, shard_tokens)
+    # Fail now, before any work, if the vocabulary cannot fit the shard dtype.
+    if tokenizer is None:
+        dtype_for_vocab(vocab_size, dtype)
+    else:
+        dtype_for_vocab(check_hf_tokenizer(tokenizer)["vocab_size"], dtype)
+    src = resolve_source(source, text_field)
+    args = _canonical(
+        {
+            "source": src.key,
+            "source_detail": src.description,
+            "vocab_size": None if tokenizer else vocab_size,
+            "tokenizer": sha256_dir(Path(tokenizer)) if tokenizer else None,
+            "val_fraction": val_fraction,
+            "max_docs": max_docs,
+            "text_field": text_field,
+            "seed": seed,
+            "sample_bytes": None if tokenizer else sample_bytes,
+            "shard_tokens": shard_tokens,
+            "dtype": dtype,
+        }
+    )
+    if _reuse(out, args) is not None:
+        _log(progress, f"reusing {out}: already prepared with the same arguments")
+        return out
+    if next(_documents(src, max_docs), None) is None:
+        raise DataError(f"empty corpus: {source} yields no non-empty documents")
+
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    _remove_stale_partials(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tok_dir = tmp / TOKENIZER_DIR
+        if tokenizer is None:
+            _log(progress, f"training a {vocab_size}-token SentencePiece BPE on {src.description}")
+            sample = _tokenizer_sample(src, max_docs, sample_bytes, seed)
+            train_tokenizer(
+                sample, vocab_size, tok_dir, sample_bytes=sample_bytes, num_threads=num_proc
+            )
+        else:
+            copy_hf_tokenizer(tokenizer, tok_dir)
+        ids = special_ids(tok_dir)
+        out_dtype = dtype_for_vocab(ids["vocab_size"], dtype)
+        encoder(tok_dir)  # fail here, not in a worker, if tokenizer.json does not load
+        total = src.approx_bytes if max_docs is None else None
+        splits = write_splits(
+            _documents(src, max_docs),
+            tmp,
+            tok_dir,
+            ids["eos_id"],
+            out_dtype,
+            num_proc=num_proc,
+            val_fraction=val_fraction,
+            seed=seed,
+            shard_tokens=shard_tokens,
+            progress=progress,
+            total_bytes=total,
+        )
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            source=str(source),
+            source_detail=src.description,
+            vocab_size=ids["vocab_size"],
+            eos_id=ids["eos_id"],
+            bos_id=ids["bos_id"],
+            pad_id=ids["pad_id"],
+            dtype=out_dtype,
+            tokenizer_sha256=sha256_dir(tok_dir),
+            args=args,
+            splits=splits,
+        )
+        write_manifest(tmp, manifest)  # last file: its presence marks the folder complete
+        _publish(tmp, out, args)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for name, s in splits.items():
+        _log(
+            progress,
+            f"{name}: {s.documents} documents, {s.tokens} tokens, {s.bytes} bytes, "
+            f"{len(s.shards)} shards",
+        )
+    return out
+
+
+def _check_options(vocab_size, num_proc, val_fraction, max_docs, sample_bytes, shard_tokens):
+    if num_proc < 1:
+        raise DataError(f"--num-proc must be at least 1, got {num_proc}")
+    if not 0.0 <= val_fraction <= 0.5:
+        raise DataError(f"--val-fraction must be in [0, 0.5], got {val_fraction}")
+    if max_docs is not None and max_docs < 1:
+        raise DataError(f"--max-docs must be at least 1, got {max_docs}")
+    if sample_bytes < 1:
+        raise DataError(f"--sample-bytes must be positive, got {sample_bytes}")
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens must be positive, got {shard_tokens}")
+    if vocab_size < 300:
+        raise DataError(f"--vocab-size {vocab_size} is too small: at least 300")
+
+
+def _canonical(obj: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(obj, sort_keys=True))
+
+
+def _reuse(out: Path, args: dict[str, Any]) -> Manifest | None:
+    """The existing dataset at `out` if it was prepared with `args`; None if `out` is free."""
+    if (out / MANIFEST).is_file():
+        manifest = load_manifest(out)
+        if manifest.args == args:
+            return manifest
+        diff = sorted(k for k in args if manifest.args.get(k) != args[k])
+        raise DataError(
+            f"{out} holds a dataset prepared with other arguments ({', '.join(diff)} differ); "
+            "choose another --out or delete it"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(
+            f"{out} exists and is not a prepared dataset (no {MANIFEST}); choose another --out "
+            "or delete it"
+        )
+    return None
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Delete partial folders left by killed runs (their process is gone) for the same --out."""
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _publish(tmp: Path, out: Path, args: dict[str, Any]) -> None:
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        # Another process published the same dataset first: keep theirs if it is the same.
+        if _reuse(out, args) is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _documents(src: Source, max_docs: int | None) -> Iterator[str]:
+    for i, doc in enumerate(src.documents()):
+        if max_docs is not None and i >= max_docs:
+            return
+        yield doc
+
+
+def _tokenizer_sample(src: Source, max_docs: int | None, sample_bytes: int, seed: int):
+    """Documents spread over the corpus, about `sample_bytes` of them (or the first ones when the
+    size is unknown), so training the tokenizer needs bounded memory."""
+    rate = 1.0
+    if src.approx_bytes and max_docs is None:
+        rate = min(1.0, sample_bytes / src.approx_bytes)
+    for i, doc in enumerate(_documents(src, max_docs)):
+        if rate >= 1.0 or unit_hash(seed, i) < rate:
+            yield doc
+
+
+def _log(enabled: bool, msg: str) -> None:
+    if enabled:
+        print(msg, file=sys.stderr, flush=True)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def _size(text: str) -> int:
+    """'32000000', '32M', '1.5G', '32e6' -> bytes."""
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:].upper(), 1)
+    try:
+        return int(float(text[:-1] if mult > 1 else text) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 32M)") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--source",
+        required=True,
+        help="pystdlib, a local file/folder/glob (.txt .jsonl .parquet), or a hub name",
+    )
+    p.add_argument("--out", required=True, help="dataset folder to write")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--tokenizer", default=None, help="reuse this HF tokenizer folder instead")
+    p.add_argument("--num-proc", type=int, default=1)
+    p.add_argument("--val-fraction", type=float, default=0.005)
+    p.add_argument("--max-docs", type=int, default=None)
+    p.add_argument("--text-field", default="text", help="jsonl field / parquet or hub column")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sample-bytes",
+        type=_size,
+        default=32_000_000,
+        help="text used to train the tokenizer (e.g. 32M)",
+    )
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    try:
+        out = prepare(
+            a.source,
+            a.out,
+            vocab_size=a.vocab_size,
+            tokenizer=a.tokenizer,
+            num_proc=a.num_proc,
+            val_fraction=a.val_fraction,
+            max_docs=a.max_docs,
+            text_field=a.text_field,
+            seed=a.seed,
+            sample_bytes=a.sample_bytes,
+            shard_tokens=a.shard_tokens,
+            dtype=a.dtype,
+            progress=not a.quiet,
+        )
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+class _CallableModule(types.ModuleType):
+    """`data.prepare` is this module and also a function: `from data import prepare` then
+    `prepare(source, out)` works whichever of the two `data.prepare` names at that moment."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Path:
+        return prepare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Where documents come from: the built-in `pystdlib` corpus, local files, or an HF hub dataset.
+
+Every source yields non-empty `str` documents in a stable order. `resolve_source` turns the
+user's SOURCE string into a `Source` and fails with one clear line (DataError) before any work.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import re
+import socket
+import sysconfig
+import tokenize
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from data.manifest import DataError
+
+PYSTDLIB = "pystdlib"
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+# Hub names have an owner: "Skylion007/openwebtext", optionally ":config".
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved SOURCE. kind is 'pystdlib', 'files' or 'hub'; key identifies it in manifests."""
+
+    kind: str
+    key: str
+    description: str
+    text_field: str = "text"
+    files: tuple[Path, ...] = ()
+    approx_bytes: int | None = None  # size of the text on disk, when knowable cheaply
+
+    def documents(self) -> Iterator[str]:
+        """Yield every non-empty document, in a stable order."""
+        if self.kind == "pystdlib":
+            docs = map(_read_python, self.files)
+        elif self.kind == "files":
+            docs = (d for f in self.files for d in _read_local(f, self.text_field))
+        else:
+            path, _, config = self.key.partition(":")
+            docs = iter_hf_dataset(path, text_field=self.text_field, name=config or None)
+        return (d for d in docs if d)
+
+
+def iter_documents(
+    source: str | Source, text_field: str = "text", max_docs: int | None = None
+) -> Iterator[str]:
+    """Yield the documents (str) of SOURCE: 'pystdlib', a local path/glob or a hub name."""
+    src = source if isinstance(source, Source) else resolve_source(source, text_field)
+    for i, doc in enumerate(src.documents()):
+        if max_docs is not None and i >= max_docs:
+            return
+        yield doc
+
+
+def resolve_source(source: str, text_field: str = "text") -> Source:
+    """Turn a SOURCE string into a Source, or raise DataError saying what is wrong with it."""
+    source = str(source)
+    if source == PYSTDLIB:
+        return _pystdlib()
+    expanded = os.path.expanduser(source)
+    if os.path.exists(expanded) or _GLOB_CHARS.search(source):
+        return _local(source, expanded, text_field)
+    looks_like_path = source.startswith(("/", "./", "../", "~", ".")) or Path(
+        source
+    ).suffix in LOCAL_SUFFIXES + (".json", ".csv", ".gz")
+    if looks_like_path:
+        raise DataError(f"no such file or folder: {source}")
+    if _HUB_NAME.match(source):
+        return _hub(source, text_field)
+    raise DataError(
+        f"unknown source {source!r}: expected {PYSTDLIB!r}, an existing file, folder or glob "
+        f"({', '.join(LOCAL_SUFFIXES)}), or an HF hub dataset name such as Skylion007/openwebtext"
+    )
+
+
+# --- pystdlib ---------------------------------------------------------------------------------
+
+
+def pystdlib_root() -> Path:
+    """The running interpreter's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _pystdlib() -> Source:
+    root = pystdlib_root()
+    files: list[Path] = []
+    # os.walk with pruning: rglob would also crawl site-packages, which can be huge.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise DataError(f"empty corpus: no .py files under the standard library folder {root}")
+    return Source(
+        kind="pystdlib",
+        key=PYSTDLIB,
+        description=f"CPython {platform.python_version()} standard library ({len(files)} files)",
+        files=tuple(files),
+        approx_bytes=sum(f.stat().st_size for f in files),
+    )
+
+
+def _read_python(path: Path) -> str:
+    # tokenize.open honours PEP 263 coding cookies; a few test files have broken ones on purpose.
+    try:
+        with tokenize.open(path) as f:
+            return f.read()
+    except (SyntaxError, UnicodeDecodeError):
+        return path.read_bytes().decode("utf-8", errors="replace")
+
+
+# --- local files ------------------------------------------------------------------------------
+
+
+def _local(source: str, expanded: str, text_field: str) -> Source:
+    if os.path.isdir(expanded):
+        files = sorted(
+            p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES
+        )
+        if not files:
+            raise DataError(
+                f"empty corpus: no {', '.join(LOCAL_SUFFIXES)} files under the folder {source}"
+            )
+    else:
+        matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True))
+        files = [p for p in matches if p.is_file()]
+        if not files:
+            raise DataError(f"no such file or folder: {source} (the glob matches no files)")
+        bad = [p for p in files if p.suffix not in LOCAL_SUFFIXES]
+        if bad:
+            raise DataError(
+                f"unsupported file type: {bad[0]} (expected {', '.join(LOCAL_SUFFIXES)})"
+            )
+    for f in files:
+        _check_local(f, text_field)
+    if all(f.stat().st_size == 0 for f in files):
+        raise DataError(f"empty corpus: every file of {source} is empty ({len(files)} files)")
+    key = source if source.startswith("~") else str(Path(expanded).resolve())
+    return Source(
+        kind="files",
+        key=key,
+        description=f"{len(files)} local files ({', '.join(sorted({f.suffix for f in files}))})",
+        text_field=text_field,
+        files=tuple(files),
+        approx_bytes=sum(f.stat().st_size for f in files),
+    )
+
+
+def _check_local(path: Path, text_field: str) -> None:
+    """Cheap up-front check that a structured file has the text field, so errors come early."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            names = pq.read_schema(path).names
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        if text_field not in names:
+            raise DataError(
+                f"{path}: no column {text_field!r} (columns: {', '.join(names)}); pass --text-field"
+            )
+    elif path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), None)
+        if first is not None:
+            row = _json_row(first, path, 1)
+            if text_field not in row:
+                raise DataError(
+                    f"{path}: first record has no field {text_field!r} "
+                    f"(fields: {', '.join(row)}); pass --text-field"
+                )
+
+
+def _json_row(line: str, path: Path, lineno: int) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object per line")
+    return row
+
+
+def _read_local(path: Path, text_field: str) -> Iterator[str]:
+    if path.suffix == ".txt":
+        yield path.read_text(encoding="utf-8", errors="replace")
+    elif path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = _json_row(line, path, lineno)
+                if not isinstance(row.get(text_field), str):
+                    raise DataError(f"{path}:{lineno}: field {text_field!r} missing or not text")
+                yield row[text_field]
+    else:  # .parquet goes through `datasets`, the same code that reads hub datasets
+        yield from iter_hf_dataset("parquet", text_field=text_field, data_files=[str(path)])
+
+
+# --- HF hub -----------------------------------------------------------------------------------
+
+
+def iter_hf_dataset(
+    path: str,
+    text_field: str = "text",
+    name: str | None = None,
+    data_files: list[str] | None = None,
+    split: str = "train",
+) -> Iterator[str]:
+    """Stream the text field of a `datasets` dataset: a hub name, a local folder or a builder."""
+    import datasets
+
+    # Streaming reads record batches lazily, so a 40 GB corpus needs no 40 GB of disk or RAM.
+    ds = datasets.load_dataset(path, name, data_files=data_files, split=split, streaming=True)
+    features = getattr(ds, "features", None)
+    if features is not None and text_field not in features:
+        raise DataError(
+            f"dataset {path}: no column {text_field!r} (columns: {', '.join(features)}); "
+            "pass --text-field"
+        )
+    for batch in ds.iter(batch_size=256):
+        yield from batch[text_field]
+
+
+def _hub(source: str, text_field: str) -> Source:
+    name, _, config = source.partition(":")
+    offline_hint = (
+        "download it where there is network (e.g. the parquet files of the dataset) and pass "
+        "the local folder or file as --source"
+    )
+    if not _hub_offline_mode() and not _hub_reachable():
+        raise DataError(
+            f"cannot reach the Hugging Face hub to load {name!r} (offline?), and no local path "
+            f"{source!r} exists; {offline_hint} (or set HF_HUB_OFFLINE=1 to use a cached copy)"
+        )
+    try:
+        it = iter_hf_dataset(name, text_field=text_field, name=config or None)
+        first = next(it, None)
+    except DataError:
+        raise
+    except Exception as e:  # datasets/hub raise many types; all mean "cannot load it"
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"cannot load hub dataset {source!r}: {reason}; {offline_hint}") from None
+    if first is None:
+        raise DataError(f"empty corpus: hub dataset {source!r} has no documents")
+    return Source(
+        kind="hub",
+        key=source,
+        description=f"HF hub dataset {source} (streamed)",
+        text_field=text_field,
+    )
+
+
+def _hub_offline_mode() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    # One quick TCP connect, so an offline machine gets an answer now, not after retries.
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
