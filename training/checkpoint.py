@@ -73,10 +73,10 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({**trainer_state, "rng": rngs}, folder / STATE)
         (folder / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=str))
-        hold = float(os.environ.get("ZEROSTACK_TEST_HOLD_SAVE", "0"))
-        if hold:  # test hook: keep the save open so a test can kill it mid-way
-            print(f"[test hook] holding save of {tag} open for {hold}s", flush=True)
-            time.sleep(hold)
+        hold = os.environ.get("ZEROSTACK_TEST_HOLD_SAVE")  # "STEP:SECONDS"
+        if hold and int(hold.split(":")[0]) == step:  # test hook: lets a test kill a save
+            print(f"[test hook] holding save of {tag} open", flush=True)
+            time.sleep(float(hold.split(":")[1]))
         _write_atomic(folder / COMPLETE, json.dumps(_listing(folder), indent=1))
         _write_atomic(root / LATEST, tag)
         _prune(root, keep_last)

@@ -124,6 +124,7 @@ def run(
                     "peak_mem_gb": mem / 2**30,
                     "skipped": state.skipped,
                     "tokens": state.tokens,
+                    **({"loss_scale": result.loss_scale} if result.loss_scale else {}),
                 }
             )
             loss_sum.zero_()
@@ -135,6 +136,11 @@ def run(
         if settings.save_every and state.step % settings.save_every == 0:
             do_save()
             t_last = time.perf_counter()
+        elif settings.stop_at and state.step >= settings.stop_at:
+            do_save()
+        if settings.stop_at and state.step >= settings.stop_at:
+            logger.console(f"stopping after step {state.step} (--stop-at)")
+            return last_eval
 
     if not (settings.eval_every and state.step % settings.eval_every == 0):
         do_eval()

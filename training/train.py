@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,6 +69,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="ddp/fsdp only; overrides what the config says",
     )
+    a(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="save and exit after this step (the schedule still spans --steps)",
+    )
     a("--resume", default="auto", help="auto | never | a run or checkpoint folder")
     a(
         "--peak-tflops",
@@ -111,6 +118,7 @@ class Settings:
     keep_last: int
     activation_checkpointing: bool
     precision: str | None
+    stop_at: int | None
     resume: str
     peak_tflops: float | None
     wandb: bool
@@ -280,6 +288,8 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     )
     if dist.is_main:
         (run_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=1, default=str))
+        # The run keeps its own tokenizer copy, so exports work after the data folder moves.
+        shutil.copytree(manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
         logger.console(
             f"zerostack: {s.backend} | {Path(cfg_path).name} | ZeRO-{stage} | {precision} | "
             f"world {dist.world} ({dist.backend}) | model {s.model} {n_params / 1e6:.2f}M params | "
@@ -311,6 +321,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
                 "model": s.model,
                 "data_dir": str(Path(s.data).resolve()),
                 "seq_len": s.seq_len,
+                "model_config": model.config.to_dict(),
             },
         )
     if dist.is_main and last_eval:

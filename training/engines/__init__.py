@@ -22,6 +22,7 @@ from dataclasses import dataclass
 class StepResult:
     grad_norm: float | None
     skipped: bool  # the update was not applied (fp16 overflow, non-finite gradients)
+    loss_scale: float | None = None  # fp16 only
 
 
 def build_engine(kind: str, **kwargs):

@@ -54,7 +54,12 @@ class DeepSpeedEngine:
         if isinstance(norm, torch.Tensor):
             norm = norm.item()
         skipped = not self.engine.was_step_applied()
-        return StepResult(None if norm is None or not math.isfinite(norm) else float(norm), skipped)
+        scale = getattr(self.engine.optimizer, "cur_scale", None)
+        return StepResult(
+            None if norm is None or not math.isfinite(norm) else float(norm),
+            skipped,
+            float(scale) if self.engine.fp16_enabled() and scale is not None else None,
+        )
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
