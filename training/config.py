@@ -156,6 +156,8 @@ def resolve(
         if flags.get(flag) is not None:
             cfg[key] = flags[flag]
 
+    precision(cfg, source)  # refuses fp16 + bf16 together
+    _check_combinations(cfg, source)
     stages = pipeline_stages(cfg)
     if world % stages:
         raise ConfigError(
@@ -182,8 +184,6 @@ def resolve(
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
         _set(cfg, path, autos[path])
 
-    precision(cfg, source)  # refuses fp16 + bf16 together
-    _check_combinations(cfg, source)
     return cfg
 
 
