@@ -107,9 +107,7 @@ def prepare(
         if tokenizer is None:
             _log(progress, f"training a {vocab_size}-token SentencePiece BPE on {src.description}")
             sample = _tokenizer_sample(src, max_docs, sample_bytes, seed)
-            train_tokenizer(
-                sample, vocab_size, tok_dir, sample_bytes=sample_bytes, num_threads=num_proc
-            )
+            train_tokenizer(sample, vocab_size, tok_dir, sample_bytes=sample_bytes)
         else:
             copy_hf_tokenizer(tokenizer, tok_dir)
         ids = special_ids(tok_dir)

@@ -7,6 +7,7 @@ user's SOURCE string into a `Source` and fails with one clear line (DataError) b
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 import platform
@@ -112,12 +113,13 @@ def _pystdlib() -> Source:
 
 
 def _read_python(path: Path) -> str:
-    # tokenize.open honours PEP 263 coding cookies; a few test files have broken ones on purpose.
+    """The file's exact text ("\\r\\n" kept), decoded as its PEP 263 coding cookie says."""
+    data = path.read_bytes()
     try:
-        with tokenize.open(path) as f:
-            return f.read()
-    except (SyntaxError, UnicodeDecodeError):
-        return path.read_bytes().decode("utf-8", errors="replace")
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        return data.decode(encoding)
+    except (SyntaxError, UnicodeDecodeError, LookupError):
+        return data.decode("utf-8", errors="replace")  # a few test files are broken on purpose
 
 
 # --- local files ------------------------------------------------------------------------------
@@ -194,7 +196,7 @@ def _json_row(line: str, path: Path, lineno: int) -> dict:
 
 def _read_local(path: Path, text_field: str) -> Iterator[str]:
     if path.suffix == ".txt":
-        yield path.read_text(encoding="utf-8", errors="replace")
+        yield path.read_bytes().decode("utf-8", errors="replace")  # exact: no newline translation
     elif path.suffix == ".jsonl":
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):

@@ -32,7 +32,6 @@ def train_tokenizer(
     out_dir: str | os.PathLike,
     *,
     sample_bytes: int = 32_000_000,
-    num_threads: int = 1,
 ) -> Path:
     """Train a SentencePiece BPE (byte fallback) on at most `sample_bytes` of `docs`; save to out_dir.
 
@@ -71,7 +70,7 @@ def train_tokenizer(
             bos_piece=BOS,
             eos_piece=EOS,
             pad_piece=PAD,
-            num_threads=max(1, num_threads),
+            num_threads=1,  # its output depends on the thread count; ours must not
             minloglevel=2,
         )
     except RuntimeError as e:
