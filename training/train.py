@@ -212,6 +212,11 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         run_dir.mkdir(parents=True, exist_ok=True)
     D.barrier()
 
+    if s.backend == "deepspeed":
+        import deepspeed
+
+        # Hands our process group to deepspeed.comm (zero.Init reads the world size from it).
+        deepspeed.init_distributed(dist_backend=dist.backend)
     torch.manual_seed(s.seed)  # same initial weights on every rank, before the model exists
     stage = C.zero_stage(ds_cfg)
     model = build_model(
