@@ -72,12 +72,13 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_mean(values: list[float]) -> list[float]:
-    """Mean of each value across ranks (one collective for the whole list)."""
-    t = torch.tensor(values, dtype=torch.float64)
+def all_reduce_scalars(values: list[float], device: torch.device, op: str = "mean") -> list[float]:
+    """Mean (or max) of each value across ranks, in one collective for the whole list."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if op == "mean":
+            t /= dist.get_world_size()
     return t.tolist()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from training import checkpoint
-from training.distributed import all_reduce_mean
+from training.distributed import all_reduce_scalars
 from training.evaluate import evaluate
 from training.metrics import peak_memory_bytes
 from training.schedule import lr_at
@@ -104,14 +104,15 @@ def run(
 
         if state.step % settings.log_every == 0 or state.step == settings.steps:
             elapsed = time.perf_counter() - t_last
-            mean_loss, grad_norm = all_reduce_mean(
+            mean_loss, grad_norm = all_reduce_scalars(
                 [
                     loss_sum.item() / max(1, n_loss),
                     result.grad_norm if result.grad_norm is not None else float("nan"),
-                ]
+                ],
+                device,
             )
             tps = steps_since * tokens_per_step / elapsed
-            mem = peak_memory_bytes(device)
+            (mem,) = all_reduce_scalars([peak_memory_bytes(device)], device, op="max")
             logger.log(
                 {
                     "kind": "train",
@@ -121,7 +122,7 @@ def run(
                     "grad_norm": None if math.isnan(grad_norm) else grad_norm,
                     "tokens_per_s": tps,
                     "mfu": tps * flops_per_token / peak_flops,
-                    "peak_mem_gb": mem / 2**30,
+                    "peak_mem_gb": mem / 2**30,  # the highest rank's
                     "skipped": state.skipped,
                     "tokens": state.tokens,
                     **({"loss_scale": result.loss_scale} if result.loss_scale else {}),
