@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: set up .venv, prepare the built-in corpus (the Python
+# standard library's source, found on this machine), train the `small` preset with DeepSpeed
+# ZeRO-2 on 2 ranks in bf16, evaluate, export to a Hugging Face folder, and sample from it with
+# stock transformers. Re-running resumes / reuses what is already done.
+#   STEPS=400 RANKS=2 ./quickstart.sh
+set -euo pipefail
+cd "$(dirname "$0")"
+bash setup.sh
+PY=.venv/bin/python
+DATA=${DATA:-data_cache/pystdlib}
+RUN=${RUN:-runs/quickstart}
+STEPS=${STEPS:-200}
+RANKS=${RANKS:-2}
+
+echo "== 1/4 prepare the built-in corpus -> $DATA"
+$PY -m data.prepare --source pystdlib --out "$DATA" --vocab-size 8192 --num-proc 2
+
+echo "== 2/4 train: small preset, ds_configs/zero2.json, $RANKS ranks, bf16, $STEPS steps -> $RUN"
+.venv/bin/deepspeed --num_gpus "$RANKS" --master_port "${MASTER_PORT:-29510}" training/train.py \
+  --ds_config ds_configs/zero2.json --data "$DATA" --model small --out "$RUN" \
+  --steps "$STEPS" --seq-len 256 --micro-batch 8 --lr 2e-3 --warmup 20 \
+  --log-every 10 --eval-every 50 --save-every 50
+
+echo "== 3/4 export to a Hugging Face folder -> $RUN/hf"
+$PY -m training.export "$RUN" --out "$RUN/hf" --overwrite
+
+echo "== 4/4 sample from the exported model with stock transformers"
+$PY -m training.sample "$RUN/hf" --prompt "def read_config(path):" --max-new-tokens 80
+echo
+echo "Done: metrics in $RUN/metrics.jsonl, loss curve $RUN/loss.png, TensorBoard $RUN/tensorboard, model $RUN/hf"
