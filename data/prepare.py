@@ -145,6 +145,12 @@ def prepare(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if val_fraction > 0 and splits["val"].documents == 0:
+        _log(
+            progress,
+            f"warning: the validation split is empty ({splits['train'].documents} "
+            "documents in all); raise --val-fraction for one",
+        )
     for name, s in splits.items():
         _log(
             progress,

@@ -221,3 +221,5 @@ def _encoded(docs: Iterable[str], tokenizer_dir: Path, eos: int, dtype: str, num
         while pending:
             n, res = pending.popleft()
             yield n, res.get()
+        pool.close()  # let workers exit on their own; the `with` terminates them on errors
+        pool.join()

@@ -148,7 +148,7 @@ def _local(source: str, expanded: str, text_field: str) -> Source:
         _check_local(f, text_field)
     if all(f.stat().st_size == 0 for f in files):
         raise DataError(f"empty corpus: every file of {source} is empty ({len(files)} files)")
-    key = source if source.startswith("~") else str(Path(expanded).resolve())
+    key = os.path.abspath(expanded)  # the same files however the path was spelled
     return Source(
         kind="files",
         key=key,

@@ -9,6 +9,7 @@ the stored token ids cannot disagree. Normalisation is off so any text round-tri
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -162,6 +163,11 @@ def save_hf_tokenizer(tok: Any, out_dir: Path) -> None:
         clean_up_tokenization_spaces=False,
     )
     hf.save_pretrained(str(out_dir))
+    # transformers 5 writes its new class name; the old one loads in 5 and in 4.x alike.
+    cfg_path = Path(out_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
