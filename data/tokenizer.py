@@ -186,6 +186,8 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
 
 def check_hf_tokenizer(src: str | os.PathLike) -> dict[str, int | None]:
     """Check an existing HF tokenizer folder can be reused (fast, has EOS); return its ids."""
+    if not Path(src).is_dir():
+        raise DataError(f"no such tokenizer folder: {src}")
     if not (Path(src) / "tokenizer.json").is_file():
         raise DataError(f"{src}: no tokenizer.json there (need a fast HF tokenizer folder)")
     ids = special_ids(src)

@@ -138,6 +138,15 @@ def test_vocab_too_large_for_the_dtype_fails_before_any_work(corpus, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_corpus_of_empty_documents_and_missing_tokenizer_fail_before_any_work(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    with pytest.raises(DataError, match="empty corpus"):
+        prepare(str(tmp_path / "c.jsonl"), tmp_path / "o", **OPTS)
+    with pytest.raises(DataError, match="no such tokenizer folder"):
+        prepare(str(tmp_path / "c.jsonl"), tmp_path / "o", tokenizer=tmp_path / "t", **OPTS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
 def test_cli_bad_input_is_one_line(tmp_path, capsys):
     assert main(["--source", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
