@@ -46,7 +46,7 @@ def test_fp16_loss_scaling_skips_overflows_and_resumes(tiny_data, tmp_path):
         "--eval-samples",
         "2",
         "--steps",
-        "8",
+        "11",
         "--save-every",
         "0",
     ]
@@ -56,12 +56,12 @@ def test_fp16_loss_scaling_skips_overflows_and_resumes(tiny_data, tmp_path):
     m = read_metrics(straight)
     scales = [r["loss_scale"] for r in m]
     skipped = [r["skipped"] for r in m]
-    assert skipped[0] >= 1 and skipped[-1] < 8  # overflows were skipped, then steps applied
+    assert skipped[0] >= 1 and skipped[-1] < 11  # overflows were skipped, then steps applied
     assert scales[0] < 2**24  # the scale came down from the initial 2^24
     assert any(b > a for a, b in zip(scales, scales[1:]))  # and grows again after clean windows
 
     split = tmp_path / "split"
-    launch([*args, "--out", str(split), "--stop-at", "4"], script=script)
+    launch([*args, "--out", str(split), "--stop-at", "5"], script=script)
     launch([*args, "--out", str(split)], script=script)
     r = read_metrics(split)
     assert [x["loss_scale"] for x in r] == scales  # the scaler resumed where it was

@@ -31,25 +31,31 @@ def _device_key(device: torch.device, dtype: torch.dtype, threads: int) -> str:
 
 
 def measure_peak_flops(
-    device: torch.device,
-    dtype: torch.dtype = torch.bfloat16,
-    size: int = 2048,
-    seconds: float = 1.5,
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, seconds: float = 1.5
 ) -> float:
-    """Best matmul FLOP/s this process reaches on `device` (its current thread count on CPU)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    """Best matmul FLOP/s this process reaches on `device` (its current thread count on CPU).
+
+    The matrix grows until one product takes ~20 ms (up to 4096), so a dtype the device has no
+    fast kernels for (fp16 on most CPUs) is measured in seconds, not hours."""
     sync = (lambda: None) if device.type == "cpu" else torch.accelerator.synchronize
-    for _ in range(3):
+    size = 256
+    while True:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
         a @ b
-    sync()
+        sync()
+        t = time.perf_counter()
+        a @ b
+        sync()
+        if time.perf_counter() - t > 0.02 or size >= 4096:
+            break
+        size *= 2
     best, end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         t = time.perf_counter()
-        for _ in range(4):
-            a @ b
+        a @ b
         sync()
-        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - t))
+        best = max(best, 2 * size**3 / (time.perf_counter() - t))
     return best
 
 
@@ -193,6 +199,7 @@ def _fmt(r: dict) -> str:
         ("mfu", ".1%"),
         ("peak_mem_gb", ".2f"),
         ("skipped", "d"),
+        ("loss_scale", ".0f"),
     ):
         if k in r and r[k] is not None:
             parts.append(f"{k} {format(r[k], fmt)}")
