@@ -51,8 +51,15 @@ def bench_prepare(root: Path, vocab_size: int, num_procs: list[int]) -> tuple[li
         stage = root / f"stage-np{n}"
         stage.mkdir()
         t, c = time.perf_counter(), cpu_seconds()
-        write_splits(resolve_source("pystdlib").documents(), stage, m.tokenizer_dir, m.eos_id,
-                     m.dtype, num_proc=n, val_fraction=0.005)  # fmt: skip
+        write_splits(
+            resolve_source("pystdlib").documents(),
+            stage,
+            m.tokenizer_dir,
+            m.eos_id,
+            m.dtype,
+            num_proc=n,
+            val_fraction=0.005,
+        )
         tok_s, tok_cpu = time.perf_counter() - t, cpu_seconds() - c
         rows.append(
             {

@@ -7,6 +7,7 @@ the number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing
 import sys
@@ -139,29 +140,34 @@ def write_splits(
     from tqdm import tqdm
 
     writers = {name: ShardWriter(out, name, dtype, shard_tokens) for name in SPLITS}
-    bar = tqdm(
-        total=total_bytes,
-        unit="B",
-        unit_scale=True,
-        desc="tokenize",
-        disable=not progress,
-        file=sys.stderr,
-    )
-    first = 0
-    with bar:
-        for n, (flat, lengths, nbytes) in _encoded(docs, tokenizer_dir, eos_id, dtype, num_proc):
-            is_val = np.array([split_of(first + i, val_fraction, seed) for i in range(n)])
-            first += n
-            ends = np.cumsum(lengths)
-            starts = ends - lengths
-            for name, mask in (("train", ~is_val), ("val", is_val)):
-                if mask.all():
-                    writers[name].add(flat, lengths, nbytes)
-                elif mask.any():
-                    toks = np.concatenate([flat[s:e] for s, e in zip(starts[mask], ends[mask])])
-                    writers[name].add(toks, lengths[mask], nbytes[mask])
-            bar.update(int(nbytes.sum()))
-            bar.set_postfix(docs=first, tokens=sum(w.info.tokens for w in writers.values()))
+    init = (str(tokenizer_dir), eos_id, dtype)
+    # Workers start before the progress bar's monitor thread, so the fork copies one thread.
+    with _pool(num_proc, init) as pool:
+        bar = tqdm(
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            desc="tokenize",
+            disable=not progress,
+            file=sys.stderr,
+            mininterval=0.5,
+        )
+        first = 0
+        with bar:
+            for n, (flat, lengths, nbytes) in _encoded(docs, pool, init, 2 * num_proc):
+                is_val = np.array([split_of(first + i, val_fraction, seed) for i in range(n)])
+                first += n
+                ends = np.cumsum(lengths)
+                starts = ends - lengths
+                for name, mask in (("train", ~is_val), ("val", is_val)):
+                    if mask.all():
+                        writers[name].add(flat, lengths, nbytes)
+                    elif mask.any():
+                        parts = [flat[s:e] for s, e in zip(starts[mask], ends[mask])]
+                        writers[name].add(np.concatenate(parts), lengths[mask], nbytes[mask])
+                bar.update(int(nbytes.sum()))
+                tokens = sum(w.info.tokens for w in writers.values())
+                bar.set_postfix_str(f"{first} docs, {tokens / 1e6:.1f}M tokens", refresh=False)
     return {name: w.close() for name, w in writers.items()}
 
 
@@ -202,24 +208,34 @@ def _batches(docs: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
-def _encoded(docs: Iterable[str], tokenizer_dir: Path, eos: int, dtype: str, num_proc: int):
-    """(number of docs, encoded batch) in input order; at most 2 batches per worker in flight."""
+@contextlib.contextmanager
+def _pool(num_proc: int, init: tuple) -> Iterator[Any]:
+    """A pool of `num_proc` encoder processes, or None to encode in this process."""
     if num_proc == 1:
-        _init_worker(str(tokenizer_dir), eos, dtype)
+        yield None
+        return
+    # fork where there is one: workers need only the tokenizer file, and spawn would re-import
+    # the caller's main module (the trainer, torch...) in every worker.
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    with multiprocessing.get_context(method).Pool(num_proc, _init_worker, init) as pool:
+        yield pool
+        pool.close()  # normal end: let workers exit; on errors the `with` terminates them
+        pool.join()
+
+
+def _encoded(docs: Iterable[str], pool: Any, init: tuple, in_flight: int):
+    """(number of docs, encoded batch) in input order, at most `in_flight` batches queued."""
+    if pool is None:
+        _init_worker(*init)
         for b in _batches(docs):
             yield len(b), _encode(b)
         return
-    # spawn: workers start clean, with no threads inherited from tokenizers or torch.
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(num_proc, _init_worker, (str(tokenizer_dir), eos, dtype)) as pool:
-        pending: deque = deque()
-        for b in _batches(docs):
-            pending.append((len(b), pool.apply_async(_encode, (b,))))
-            if len(pending) >= 2 * num_proc:
-                n, res = pending.popleft()
-                yield n, res.get()
-        while pending:
+    pending: deque = deque()
+    for b in _batches(docs):
+        pending.append((len(b), pool.apply_async(_encode, (b,))))
+        if len(pending) >= in_flight:
             n, res = pending.popleft()
             yield n, res.get()
-        pool.close()  # let workers exit on their own; the `with` terminates them on errors
-        pool.join()
+    while pending:
+        n, res = pending.popleft()
+        yield n, res.get()

@@ -20,10 +20,18 @@ def make_dataset(root, n_tokens=10_007, shard_tokens=3_000, dtype="uint32", val_
         w.add(np.arange(n), lengths, lengths * 3)
         splits[name] = w.close()
     manifest = Manifest(
-        format_version=FORMAT_VERSION, source="synthetic", source_detail="", vocab_size=2**20,
-        eos_id=0, bos_id=None, pad_id=None, dtype=dtype, tokenizer_sha256="", args={},
+        format_version=FORMAT_VERSION,
+        source="synthetic",
+        source_detail="",
+        vocab_size=2**20,
+        eos_id=0,
+        bos_id=None,
+        pad_id=None,
+        dtype=dtype,
+        tokenizer_sha256="",
+        args={},
         splits=splits,
-    )  # fmt: skip
+    )
     write_manifest(root, manifest)
     return root
 
