@@ -1,0 +1,66 @@
+"""`ZeroStackConfig`: the shape of our Llama-style causal LM, with Llama's field names."""
+
+from transformers import PretrainedConfig
+
+from models.errors import ModelError
+
+
+class ZeroStackConfig(PretrainedConfig):
+    """Config of `ZeroStackForCausalLM`. Field names are Llama's, so the HF adapter is a plain copy.
+
+    `head_dim` is always `hidden_size // num_attention_heads`; `num_key_value_heads=None` means
+    multi-head attention (as many kv heads as heads). Bad shapes raise `ModelError`.
+    """
+
+    model_type = "zerostack"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self._validate()
+        super().__post_init__(**kwargs)
+
+    def _validate(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"{name} must be a positive integer, got {value!r}")
+        h, nh, nkv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        if h % nh:
+            raise ModelError(f"num_attention_heads ({nh}) must divide hidden_size ({h})")
+        if nh % nkv:
+            raise ModelError(f"num_key_value_heads ({nkv}) must divide num_attention_heads ({nh})")
+        if (h // nh) % 2:
+            raise ModelError(
+                f"head_dim = hidden_size / num_attention_heads = {h // nh} must be even for rotary embeddings"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_attention_heads

@@ -1,0 +1,147 @@
+"""The one place that knows `transformers.LlamaForCausalLM`'s parameter names.
+
+Our rotary embedding uses Hugging Face's `rotate_half` convention, so converting weights either way is pure
+renaming: no permutation of q/k, no reshaping. Configs map field by field.
+"""
+
+import os
+import re
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models.config import ZeroStackConfig
+from models.errors import ModelError
+
+# (ours, Llama's). Per-block names are relative to `layers.{i}.` / `model.layers.{i}.`.
+_TOP_LEVEL = [
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+]
+_PER_BLOCK = [
+    ("attention_norm.weight", "input_layernorm.weight"),
+    ("attention.wq.weight", "self_attn.q_proj.weight"),
+    ("attention.wk.weight", "self_attn.k_proj.weight"),
+    ("attention.wv.weight", "self_attn.v_proj.weight"),
+    ("attention.wo.weight", "self_attn.o_proj.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
+    ("feed_forward.w3.weight", "mlp.up_proj.weight"),
+    ("feed_forward.w2.weight", "mlp.down_proj.weight"),
+]
+_OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
+_LLAMA_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _rename(
+    sd: dict, top: dict, block: dict, block_re: re.Pattern, block_prefix: str, what: str
+) -> dict:
+    out = {}
+    for name, tensor in sd.items():
+        if name in top:
+            out[top[name]] = tensor
+            continue
+        m = block_re.fullmatch(name)
+        if m is None or m.group(2) not in block:
+            raise ModelError(f"unexpected parameter {name!r} in a {what} state dict")
+        out[f"{block_prefix}{m.group(1)}.{block[m.group(2)]}"] = tensor
+    return out
+
+
+def to_llama_state_dict(sd: dict) -> dict:
+    """Our state dict -> LlamaForCausalLM's (same tensors, new names)."""
+    return _rename(
+        sd, dict(_TOP_LEVEL), dict(_PER_BLOCK), _OURS_BLOCK, "model.layers.", "zerostack"
+    )
+
+
+def from_llama_state_dict(sd: dict) -> dict:
+    """LlamaForCausalLM's state dict -> ours (same tensors, new names). Rotary buffers, if any, are dropped."""
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    top = {theirs: ours for ours, theirs in _TOP_LEVEL}
+    block = {theirs: ours for ours, theirs in _PER_BLOCK}
+    return _rename(sd, top, block, _LLAMA_BLOCK, "layers.", "Llama")
+
+
+def to_llama_config(config: ZeroStackConfig) -> LlamaConfig:
+    """Our config -> a LlamaConfig of the same shape, with `architectures=["LlamaForCausalLM"]`."""
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        tie_word_embeddings=config.tie_word_embeddings,
+        initializer_range=config.initializer_range,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        attention_bias=False,
+        mlp_bias=False,
+        architectures=["LlamaForCausalLM"],
+        dtype=config.dtype,
+    )
+
+
+def from_llama_config(llama_config: LlamaConfig) -> ZeroStackConfig:
+    """A LlamaConfig -> our config. Raises ModelError for Llama variants our model does not implement."""
+    rope = dict(llama_config.rope_parameters or {})
+    head_dim = (
+        getattr(llama_config, "head_dim", None)
+        or llama_config.hidden_size // llama_config.num_attention_heads
+    )
+    unsupported = {
+        "hidden_act": (llama_config.hidden_act, "silu"),
+        "attention_bias": (bool(llama_config.attention_bias), False),
+        "mlp_bias": (bool(llama_config.mlp_bias), False),
+        "rope_type": (rope.get("rope_type", "default"), "default"),
+        "head_dim": (head_dim, llama_config.hidden_size // llama_config.num_attention_heads),
+    }
+    for key, (got, want) in unsupported.items():
+        if got != want:
+            raise ModelError(
+                f"this Llama config has {key}={got!r}; zerostack's model supports only {want!r}"
+            )
+    return ZeroStackConfig(
+        vocab_size=llama_config.vocab_size,
+        hidden_size=llama_config.hidden_size,
+        intermediate_size=llama_config.intermediate_size,
+        num_hidden_layers=llama_config.num_hidden_layers,
+        num_attention_heads=llama_config.num_attention_heads,
+        num_key_value_heads=llama_config.num_key_value_heads,
+        max_position_embeddings=llama_config.max_position_embeddings,
+        rms_norm_eps=llama_config.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(llama_config.tie_word_embeddings),
+        initializer_range=llama_config.initializer_range,
+        bos_token_id=llama_config.bos_token_id,
+        eos_token_id=llama_config.eos_token_id,
+        pad_token_id=llama_config.pad_token_id,
+    )
+
+
+def save_llama(state_dict: dict, config: ZeroStackConfig, out_dir: str | os.PathLike) -> None:
+    """Write our weights as a stock `LlamaForCausalLM` folder (config.json + model.safetensors).
+
+    state_dict: ours, full (not ZeRO-partitioned), any dtype; the files keep that dtype.
+    """
+    llama_config = to_llama_config(config)
+    llama_sd = to_llama_state_dict(state_dict)
+    if config.tie_word_embeddings:
+        llama_sd.pop("lm_head.weight", None)  # stored once, as embed_tokens
+    llama_config.dtype = next(iter(llama_sd.values())).dtype
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config)
+    model.load_state_dict(llama_sd, strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelError(f"state dict lacks weights for {missing[:3]} ...")
+    model.save_pretrained(out_dir)

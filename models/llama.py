@@ -1,0 +1,312 @@
+"""ZeroStackForCausalLM: a Llama-style causal LM, top to bottom in one file.
+
+RMSNorm, rotary embeddings in Hugging Face's `rotate_half` convention, grouped-query attention through
+`scaled_dot_product_attention`, SwiGLU MLP, pre-norm blocks, optional tied embeddings. The weights rename
+one-to-one onto `transformers.LlamaForCausalLM` (see `models/hf_adapter.py`).
+
+The model knows nothing about parallelism: DeepSpeed, DDP or FSDP wrap it from `training/`.
+"""
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from models.config import ZeroStackConfig
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale; `F.rms_norm` is a fused kernel that matches Llama's exactly."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+@functools.lru_cache(maxsize=32)
+def _rope_table(head_dim: int, theta: float, length: int, device: torch.device, dtype: torch.dtype):
+    """(cos, signed sin) of shape (length, head_dim), computed once per shape, device and dtype."""
+    # Built outside inference mode so a table first made by generate() can be reused in training.
+    with torch.inference_mode(False), torch.no_grad():
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim)
+        )
+        freqs = torch.outer(torch.arange(length, dtype=torch.float, device=device), inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        # sin carries rotate_half's sign, so apply_rope needs no negation: rotate_half(x) * sin == roll(x) * ±sin.
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def rope_cos_sin(config: ZeroStackConfig, seq_len: int, device: torch.device, dtype: torch.dtype):
+    """Cached rotary (cos, signed sin) for positions [0, seq_len), each (seq_len, head_dim); see apply_rope."""
+    length = max(seq_len, config.max_position_embeddings)
+    cos, sin = _rope_table(config.head_dim, float(config.rope_theta), length, device, dtype)
+    return cos[:seq_len], sin[:seq_len]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls produce for input x: the autocast dtype when autocast is on, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dim, so rotate_half([1, 2, 3, 4]) == [-3, -4, 1, 2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (batch, heads, seq, head_dim) by position: x * cos + rotate_half(x) * sin, as Llama does.
+
+    rotate_half(x) * sin == roll(x, head_dim / 2) * signed_sin with signed_sin = [-sin, sin] (from rope_cos_sin):
+    three kernels instead of five, which counts on a CPU where every kernel launch is a thread sync.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def _linear(in_features: int, out_features: int, std: float) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=False)
+    # Read by init_weights, so every init path (plain, from_pretrained, ZeRO-3) gives the same init.
+    layer.init_std = std
+    return layer
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, std: float) -> None:
+    """Initialise one module's own weights: normal(0, std) (a linear's `init_std` wins), norms to one.
+
+    transformers' init functions are used so that weights already loaded by from_pretrained are skipped.
+    """
+    if isinstance(module, nn.Linear):
+        init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", std))
+    elif isinstance(module, nn.Embedding):
+        init.normal_(module.weight, mean=0.0, std=std)
+    elif isinstance(module, RMSNorm):
+        init.ones_(module.weight)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads and rotary positions."""
+
+    def __init__(self, config: ZeroStackConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, std = config.hidden_size, config.initializer_range
+        self.wq = _linear(h, self.n_heads * self.head_dim, std)
+        self.wk = _linear(h, self.n_kv_heads * self.head_dim, std)
+        self.wv = _linear(h, self.n_kv_heads * self.head_dim, std)
+        # Residual projections start smaller so the residual stream's variance does not grow with depth.
+        self.wo = _linear(
+            self.n_heads * self.head_dim, h, std / math.sqrt(2 * config.num_hidden_layers)
+        )
+
+    def forward(self, x, cos, sin, mask=None, cache: Cache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        # The model passes a mask only when the causal flag cannot express it (padding, chunked prefill).
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and t > 1,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ZeroStackConfig):
+        super().__init__()
+        h, i, std = config.hidden_size, config.intermediate_size, config.initializer_range
+        self.w1 = _linear(h, i, std)  # gate
+        self.w3 = _linear(h, i, std)  # up
+        # down: a residual projection, scaled like wo
+        self.w2 = _linear(i, h, std / math.sqrt(2 * config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(GradientCheckpointingLayer):
+    """Pre-norm transformer block. As a GradientCheckpointingLayer it is recomputed in backward when
+    `model.gradient_checkpointing_enable()` (or `_set_gradient_checkpointing`) has switched it on."""
+
+    def __init__(self, config: ZeroStackConfig, layer_idx: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config, layer_idx)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin, mask=None, past_key_values: Cache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, past_key_values)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def _attention_mask(
+    attention_mask: torch.Tensor | None, q_len: int, past_len: int, device
+) -> torch.Tensor | None:
+    """Boolean (batch|1, 1, q_len, k_len) mask, True = attend, or None when SDPA's causal flag suffices."""
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if not padded and (past_len == 0 or q_len == 1):
+        return None
+    k_len = past_len + q_len
+    k_pos = torch.arange(k_len, device=device)
+    q_pos = torch.arange(past_len, k_len, device=device)
+    mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if padded:
+        mask = mask & attention_mask[:, None, None, -k_len:].bool()
+        # A padding query with no visible key would make SDPA return NaN; let it see itself (its output is unused).
+        mask = mask | (k_pos[None, :] == q_pos[:, None])
+    return mask
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Next-token cross-entropy in fp32, as transformers' ForCausalLMLoss.
+
+    `labels` (batch, seq) are shifted here (position i predicts labels[i + 1]); `shift_labels`, if given, are
+    already-shifted targets of the same length as the input and are used as they are. Targets equal to
+    `ignore_index` do not count. With `num_items_in_batch` the sum is divided by it instead of taking the mean.
+    """
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    targets = shift_labels.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
+    """The causal LM. `forward(input_ids, labels=...)` returns a `CausalLMOutputWithPast` with an fp32 loss."""
+
+    config_class = ZeroStackConfig
+    base_model_prefix = "zerostack"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Block"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _tied_weights_keys = {"output.weight": "tok_embeddings.weight"}
+
+    def __init__(self, config: ZeroStackConfig):
+        super().__init__(config)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = _linear(config.hidden_size, config.vocab_size, config.initializer_range)
+        self.post_init()  # initialises weights through _init_weights and ties output to tok_embeddings if asked
+
+    def _init_weights(self, module: nn.Module) -> None:
+        init_weights(module, self.config.initializer_range)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.tok_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.tok_embeddings = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.output
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.output = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        shift_labels: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Logits for input_ids (batch, seq); the loss too when `labels` are given (see `causal_lm_loss`).
+
+        attention_mask (batch, past + seq) of 1/0 marks padding; without it, or when it is all ones, no mask
+        is built and SDPA runs with its causal flag. `use_cache=True` (what generate passes) returns a
+        DynamicCache; it is off by default so training never keeps one. `logits_to_keep=n` computes logits
+        for the last n positions only. Other keyword arguments from HF callers (return_dict,
+        output_attentions, ...) are ignored, except `ignore_index` and `num_items_in_batch` for the loss.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        h = self.tok_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        b, t = h.shape[:2]
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        cache = past_key_values if use_cache or past_key_values is not None else None
+        past_len = cache.get_seq_length() if cache is not None else 0
+
+        dtype = compute_dtype(h)
+        if position_ids is None:
+            cos, sin = rope_cos_sin(self.config, past_len + t, h.device, dtype)
+            cos, sin = cos[past_len:], sin[past_len:]
+        else:
+            cos, sin = rope_cos_sin(self.config, int(position_ids.max()) + 1, h.device, dtype)
+            cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
+        mask = _attention_mask(attention_mask, t, past_len, h.device)
+
+        for block in self.layers:
+            # Positional arguments: reentrant checkpoint functions (DeepSpeed's) only see those.
+            h = block(h, cos, sin, mask, past_key_values=cache)
+        h = self.norm(h)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.output(h)
+
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(
+                logits,
+                labels,
+                shift_labels,
+                ignore_index=kwargs.get("ignore_index", IGNORE_INDEX),
+                num_items_in_batch=kwargs.get("num_items_in_batch"),
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+
+
+# Our own save_pretrained folders (model_type "zerostack") load through the Auto classes.
+AutoConfig.register("zerostack", ZeroStackConfig, exist_ok=True)
+AutoModelForCausalLM.register(ZeroStackConfig, ZeroStackForCausalLM, exist_ok=True)
