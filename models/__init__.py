@@ -1,0 +1,44 @@
+"""zerostack's causal LM: config, presets, model, HF adapter, factory and pipeline form.
+
+The pipeline form imports DeepSpeed only when a PipelineModule is built, so `import models` stays light.
+"""
+
+from models.config import ZeroStackConfig
+from models.errors import ModelError
+from models.factory import build_model
+from models.hf_adapter import (
+    from_llama_config,
+    from_llama_state_dict,
+    save_llama,
+    to_llama_config,
+    to_llama_state_dict,
+)
+from models.llama import ZeroStackForCausalLM, causal_lm_loss
+from models.pipeline import (
+    build_pipeline_module,
+    model_state_dict_to_pipeline,
+    pipeline_loss,
+    pipeline_state_dict_to_model,
+)
+from models.presets import PRESETS, flops_per_token, get_config, num_params
+
+__all__ = [
+    "PRESETS",
+    "ModelError",
+    "ZeroStackConfig",
+    "ZeroStackForCausalLM",
+    "build_model",
+    "build_pipeline_module",
+    "causal_lm_loss",
+    "flops_per_token",
+    "from_llama_config",
+    "from_llama_state_dict",
+    "get_config",
+    "model_state_dict_to_pipeline",
+    "num_params",
+    "pipeline_loss",
+    "pipeline_state_dict_to_model",
+    "save_llama",
+    "to_llama_config",
+    "to_llama_state_dict",
+]

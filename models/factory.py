@@ -1,0 +1,143 @@
+"""build_model: a preset name or a local folder -> a model the trainer can train.
+
+Folders: our own `save_pretrained` output, an exported (or any compatible) `LlamaForCausalLM` folder, which is
+loaded into our class through the adapter, or any other `AutoModelForCausalLM` folder (GPT-2, Qwen2, ...). A
+folder with a config.json and no weights builds that architecture freshly initialised.
+"""
+
+import glob
+import os
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from models.errors import ModelError
+from models.hf_adapter import from_llama_config, from_llama_state_dict
+from models.llama import ZeroStackForCausalLM
+from models.presets import PRESETS, get_config
+
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+
+
+def build_model(
+    spec: str,
+    *,
+    vocab_size: int | None = None,
+    overrides: dict | None = None,
+    zero3_config: dict | None = None,
+    dtype: torch.dtype | None = None,
+) -> PreTrainedModel:
+    """Build the model named by spec: a preset (see PRESETS) or a local folder.
+
+    vocab_size: the data tokenizer's vocabulary. It replaces a preset's; a folder's model is resized only when
+        its own vocabulary is smaller (larger, padded vocabularies are kept).
+    overrides: config fields to change (e.g. {"max_position_embeddings": 4096}).
+    zero3_config: a DeepSpeed config dict with ZeRO stage 3. The model is then built under
+        `deepspeed.zero.Init` so each rank only ever holds its partition, and weights are initialised or loaded
+        one module at a time. The `HfDeepSpeedConfig` that makes transformers do this is kept alive as
+        `model.hf_deepspeed_config`: while the model lives, transformers treats ZeRO-3 as on (which is what
+        makes `generate` use `synced_gpus`). torch.distributed must be initialised first.
+    dtype: parameter dtype; None means float32 (the engine casts for mixed precision).
+    Seeds are the caller's to set. Returns a `transformers.PreTrainedModel`; bad specs raise ModelError.
+    """
+    overrides = dict(overrides or {})
+    dtype = dtype or torch.float32
+    keep_alive = _zero3_context(zero3_config) if zero3_config is not None else None
+
+    if spec in PRESETS:
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        model = ZeroStackForCausalLM._from_config(get_config(spec, **overrides), dtype=dtype)
+    elif os.path.isdir(spec):
+        model = _from_folder(spec, overrides, dtype)
+        if vocab_size is not None and vocab_size > model.config.vocab_size:
+            model.resize_token_embeddings(vocab_size)
+    else:
+        raise ModelError(
+            f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}) and not a folder"
+        )
+
+    if keep_alive is not None:
+        model.hf_deepspeed_config = keep_alive
+    return model
+
+
+def _zero3_context(zero3_config: dict):
+    from transformers.integrations import HfDeepSpeedConfig
+
+    stage = zero3_config.get("zero_optimization", {}).get("stage")
+    if stage != 3:
+        raise ModelError(f"zero3_config must have zero_optimization.stage 3, got {stage!r}")
+    # transformers builds under deepspeed.zero.Init(config_dict_or_path=zero3_config) while this object lives.
+    return HfDeepSpeedConfig(zero3_config)
+
+
+def _from_folder(path: str, overrides: dict, dtype: torch.dtype) -> PreTrainedModel:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelError(f"folder {path} holds no model: it has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(path, **overrides)
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelError(
+            f"folder {path} holds no model transformers knows: {str(e).splitlines()[0]}"
+        ) from None
+    has_weights = any(glob.glob(os.path.join(path, p)) for p in _WEIGHT_PATTERNS)
+
+    if config.model_type == "llama":
+        # Train our own (faster) model on Llama weights: same shapes, renamed parameters.
+        model = ZeroStackForCausalLM._from_config(from_llama_config(config), dtype=dtype)
+        if has_weights:
+            _load_llama_weights(model, path)
+        return model
+    try:
+        if has_weights:
+            return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError as e:
+        raise ModelError(f"folder {path} holds no causal LM: {str(e).splitlines()[0]}") from None
+
+
+def _load_llama_weights(model: nn.Module, path: str) -> None:
+    """Copy a Llama folder's weights into our model, one parameter at a time (gathered under ZeRO-3)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        where = {}
+        for f in files:
+            with safe_open(f, framework="pt") as sf:
+                where.update({key: (f, key) for key in sf.keys()})
+        # The adapter only renames, so it maps our names to (file, key) as well as to tensors.
+        where = from_llama_state_dict(where)
+
+        def read(name):
+            f, key = where[name]
+            with safe_open(f, framework="pt") as sf:
+                return sf.get_tensor(key)
+    else:
+        sd = {}
+        for f in sorted(glob.glob(os.path.join(path, "*.bin"))):
+            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+        where = from_llama_state_dict(sd)
+
+        def read(name):
+            return where[name]
+
+    missing = [n for n, _ in model.named_parameters() if n not in where]
+    if missing:
+        raise ModelError(
+            f"folder {path} lacks weights for {len(missing)} parameters, e.g. {missing[0]}"
+        )
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    for name, param in model.named_parameters():
+        if hasattr(param, "ds_id"):
+            import deepspeed
+
+            # ZeRO-3 partitioned: gather, fill on rank 0, re-partition from rank 0
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                if rank == 0:
+                    param.copy_(read(name))
+        else:
+            with torch.no_grad():
+                param.copy_(read(name))
