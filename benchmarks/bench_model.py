@@ -1,0 +1,113 @@
+"""Forward+backward speed of our model against transformers.LlamaForCausalLM of the same shape, same weights.
+
+    python benchmarks/bench_model.py [--preset small] [--batch 8] [--seq 256] [--iters 20] [--autocast]
+
+Both models run in bf16 (bf16 weights, as DeepSpeed's bf16 mode trains; or fp32 weights under
+torch.autocast with --autocast) on the same batch, in the same process. Iterations alternate between the two
+models so that drift in the machine's speed (other jobs, thermal) hits both alike; the median is reported.
+Prints ms/iter, tokens/s and MFU (model FLOPs from models.presets.flops_per_token over a measured bf16 matmul
+ceiling) for each, and the ratio llama_ms / ours_ms (above 1: ours is faster).
+"""
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models import (  # noqa: E402
+    ZeroStackForCausalLM,
+    flops_per_token,
+    get_config,
+    to_llama_config,
+    to_llama_state_dict,
+)
+
+
+def matmul_ceiling(dtype: torch.dtype, n: int = 2048, iters: int = 10) -> float:
+    """Best FLOP/s of an n x n x n matmul in dtype on this machine."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(iters):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="small")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--autocast", action="store_true", help="fp32 weights under torch.autocast(bf16)"
+    )
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    config = get_config(args.preset)
+    ours = ZeroStackForCausalLM(config)
+    llama = LlamaForCausalLM(to_llama_config(config))
+    llama.load_state_dict(to_llama_state_dict(ours.state_dict()))
+    if not args.autocast:
+        ours, llama = ours.to(torch.bfloat16), llama.to(torch.bfloat16)
+    models = {"ours": ours.train(), "llama": llama.train()}
+
+    x = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+    y = torch.roll(x, -1, dims=1)
+
+    def step(model):
+        ctx = (
+            torch.autocast("cpu", dtype=torch.bfloat16)
+            if args.autocast
+            else contextlib.nullcontext()
+        )
+        t = time.perf_counter()
+        with ctx:
+            loss = model(input_ids=x, labels=y, shift_labels=y).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t, loss.item()
+
+    for _ in range(args.warmup):
+        for model in models.values():
+            step(model)
+    times = {name: [] for name in models}
+    losses = {}
+    for _ in range(args.iters):
+        for name, model in models.items():
+            dt, losses[name] = step(model)
+            times[name].append(dt)
+
+    tokens = args.batch * args.seq
+    flops = flops_per_token(config, args.seq) * tokens
+    peak = matmul_ceiling(torch.bfloat16)
+    mode = "fp32 weights + autocast bf16" if args.autocast else "bf16 weights"
+    print(
+        f"preset {args.preset}, batch {args.batch} x seq {args.seq}, {mode}, {torch.get_num_threads()} threads"
+    )
+    print(f"bf16 matmul ceiling {peak / 1e9:.0f} GFLOP/s; {flops / tokens / 1e6:.1f} MFLOP/token")
+    med = {}
+    for name in models:
+        med[name] = statistics.median(times[name])
+        print(
+            f"{name:>6}: {med[name] * 1e3:8.1f} ms/iter  {tokens / med[name]:8.0f} tok/s  "
+            f"MFU {flops / med[name] / peak:5.1%}  loss {losses[name]:.4f}"
+        )
+    print(f"ratio llama/ours = {med['llama'] / med['ours']:.3f}  (above 1: ours is faster)")
+
+
+if __name__ == "__main__":
+    main()
