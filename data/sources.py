@@ -232,6 +232,11 @@ def iter_hf_dataset(
             "pass --text-field"
         )
     for batch in ds.iter(batch_size=256):
+        if text_field not in batch:  # streamed json has no schema up front
+            raise DataError(
+                f"dataset {path}: no field {text_field!r} (fields: {', '.join(batch)}); "
+                "pass --text-field"
+            )
         yield from batch[text_field]
 
 

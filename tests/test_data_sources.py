@@ -57,6 +57,8 @@ def test_hub_code_path_reads_a_local_dataset_in_openwebtext_schema(tmp_path):
     root = write_corpus(tmp_path)
     # The function a hub name goes through, given a local dataset folder instead of a name.
     assert list(iter_hf_dataset(str(root / "owt"))) == DOCS
+    with pytest.raises(DataError, match="no column 'body'"):
+        next(iter_hf_dataset(str(root / "owt"), text_field="body"))
 
 
 def test_text_field_is_configurable(tmp_path):
