@@ -1,6 +1,6 @@
 """Forward+backward speed of our model against transformers.LlamaForCausalLM of the same shape, same weights.
 
-    python benchmarks/bench_model.py [--preset small] [--batch 8] [--seq 256] [--iters 20] [--autocast]
+    python benchmarks/bench_model.py [--preset small] [--batch 8] [--seq 256] [--iters 20] [--autocast] [--threads N]
 
 Both models run in bf16 (bf16 weights, as DeepSpeed's bf16 mode trains; or fp32 weights under
 torch.autocast with --autocast) on the same batch, in the same process. Iterations alternate between the two
@@ -54,7 +54,10 @@ def main() -> None:
     p.add_argument(
         "--autocast", action="store_true", help="fp32 weights under torch.autocast(bf16)"
     )
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     config = get_config(args.preset)

@@ -25,7 +25,7 @@ IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale; `F.rms_norm` is a fused kernel that matches Llama's exactly."""
+    """Root-mean-square norm with a learned scale, computed in fp32 like Llama's (`F.rms_norm` upcasts)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -187,6 +187,42 @@ def _attention_mask(
     return mask
 
 
+class _CrossEntropyGradInForward(torch.autograd.Function):
+    """Summed fp32 cross-entropy of (N, V) logits whose gradient is made during the forward, chunk by chunk.
+
+    The same numbers as `F.cross_entropy(logits.float(), ...)`, but the full-size fp32 copy, log-softmax
+    and their backward never exist: each chunk of rows is upcast while it sits in cache, and what is kept
+    for backward is softmax - onehot in the logits' dtype (half the bytes of the fp32 log-softmax that
+    autograd would keep for bf16 logits).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index: int, denominator, chunk_rows: int):
+        grad = torch.empty_like(logits)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        scale = 1.0 / denominator
+        for start in range(0, logits.shape[0], chunk_rows):
+            x = logits[start : start + chunk_rows].to(torch.float32, copy=True)
+            t = targets[start : start + chunk_rows]
+            valid = (t != ignore_index).unsqueeze(1)
+            t = t.masked_fill(~valid.squeeze(1), 0).unsqueeze(1)
+            picked = x.gather(1, t)
+            row_max = x.amax(dim=1, keepdim=True)
+            e = x.sub_(row_max).exp_()  # in place of the chunk's fp32 copy
+            row_sum = e.sum(dim=1, keepdim=True)
+            total += ((row_max + row_sum.log() - picked) * valid).sum()
+            weight = valid * scale  # d(loss)/d(row loss): 0 for ignored rows
+            e.mul_(weight / row_sum).scatter_add_(1, t, -weight)  # (softmax - onehot) * weight
+            grad[start : start + chunk_rows] = e
+        ctx.save_for_backward(grad)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output.to(grad.dtype), None, None, None, None
+
+
 def causal_lm_loss(
     logits: torch.Tensor,
     labels: torch.Tensor | None = None,
@@ -202,14 +238,20 @@ def causal_lm_loss(
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    logits = logits.float().reshape(-1, logits.shape[-1])
+    logits = logits.reshape(-1, logits.shape[-1])
     targets = shift_labels.reshape(-1).to(logits.device)
     if num_items_in_batch is None:
-        return F.cross_entropy(logits, targets, ignore_index=ignore_index)
-    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+        denominator = (targets != ignore_index).sum()
+    elif torch.is_tensor(num_items_in_batch):
+        denominator = num_items_in_batch.to(logits.device)
+    else:
+        denominator = num_items_in_batch
+    if not (torch.is_grad_enabled() and logits.requires_grad):  # eval: no gradient to make
+        loss = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+        return loss / denominator
+    # Rows per chunk: about 16 MB of fp32, small enough to stay in a CPU's last-level cache.
+    chunk_rows = max(1, (1 << 22) // logits.shape[-1])
+    return _CrossEntropyGradInForward.apply(logits, targets, ignore_index, denominator, chunk_rows)
 
 
 class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
@@ -271,7 +313,7 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         h = self.tok_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        b, t = h.shape[:2]
+        t = h.shape[1]
 
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)

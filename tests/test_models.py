@@ -26,6 +26,7 @@ from models import (
     ZeroStackForCausalLM,
     build_model,
     build_pipeline_module,
+    causal_lm_loss,
     flops_per_token,
     from_llama_state_dict,
     get_config,
@@ -82,7 +83,7 @@ def test_logits_loss_and_greedy_generate_match_llama(kv_heads, tied):
     with torch.no_grad():
         a, b = ours(x, labels=x), llama(x, labels=x)
     torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=0)
-    torch.testing.assert_close(a.loss, b.loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a.loss, b.loss)
     assert torch.equal(
         ours.generate(x[:, :6], max_new_tokens=12, do_sample=False),
         llama.generate(x[:, :6], max_new_tokens=12, do_sample=False),
@@ -120,6 +121,35 @@ def test_loss_shifts_labels_or_takes_shift_labels_as_they_are():
     torch.testing.assert_close(model(input_ids=x, labels=labels).loss, expected)
     model_bf16 = model.to(torch.bfloat16)
     assert model_bf16(input_ids=x, labels=y, shift_labels=y).loss.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_and_its_gradient_match_cross_entropy_in_fp32(dtype):
+    """causal_lm_loss makes its gradient during the forward, in chunks; it must equal autograd's."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 300, 1000)).to(dtype).requires_grad_()
+    y = torch.randint(0, 1000, (2, 300))
+    y[0, :50] = -100
+    for kwargs, reference in [
+        ({}, lambda lg: F.cross_entropy(lg, y.reshape(-1), ignore_index=-100)),
+        (
+            {
+                "num_items_in_batch": torch.tensor(123)
+            },  # how HF's Trainer sums over accumulation steps
+            lambda lg: F.cross_entropy(lg, y.reshape(-1), ignore_index=-100, reduction="sum") / 123,
+        ),
+    ]:
+        loss = causal_lm_loss(logits, shift_labels=y, **kwargs)
+        (grad,) = torch.autograd.grad(loss, logits)
+        expected = reference(logits.float().reshape(-1, 1000))
+        (expected_grad,) = torch.autograd.grad(expected, logits)
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss, expected)
+        torch.testing.assert_close(grad, expected_grad, atol=1e-7, rtol=1e-2)
+    with torch.no_grad():  # eval takes the plain path
+        torch.testing.assert_close(
+            causal_lm_loss(logits, shift_labels=y), loss.detach() * 123 / 550
+        )
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
