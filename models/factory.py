@@ -21,7 +21,7 @@ _WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 
 
 def build_model(
-    spec: str,
+    spec: str | os.PathLike,
     *,
     vocab_size: int | None = None,
     overrides: dict | None = None,
@@ -41,6 +41,7 @@ def build_model(
     dtype: parameter dtype; None means float32 (the engine casts for mixed precision).
     Seeds are the caller's to set. Returns a `transformers.PreTrainedModel`; bad specs raise ModelError.
     """
+    spec = os.fspath(spec)
     overrides = dict(overrides or {})
     dtype = dtype or torch.float32
     keep_alive = _zero3_context(zero3_config) if zero3_config is not None else None

@@ -202,18 +202,14 @@ class _CrossEntropyGradInForward(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         scale = 1.0 / denominator
         for start in range(0, logits.shape[0], chunk_rows):
-            x = logits[start : start + chunk_rows].to(torch.float32, copy=True)
             t = targets[start : start + chunk_rows]
             valid = (t != ignore_index).unsqueeze(1)
             t = t.masked_fill(~valid.squeeze(1), 0).unsqueeze(1)
-            picked = x.gather(1, t)
-            row_max = x.amax(dim=1, keepdim=True)
-            e = x.sub_(row_max).exp_()  # in place of the chunk's fp32 copy
-            row_sum = e.sum(dim=1, keepdim=True)
-            total += ((row_max + row_sum.log() - picked) * valid).sum()
+            logp = F.log_softmax(logits[start : start + chunk_rows], dim=1, dtype=torch.float32)
+            total -= (logp.gather(1, t) * valid).sum()
             weight = valid * scale  # d(loss)/d(row loss): 0 for ignored rows
-            e.mul_(weight / row_sum).scatter_add_(1, t, -weight)  # (softmax - onehot) * weight
-            grad[start : start + chunk_rows] = e
+            # (softmax - onehot) * weight, in place of the chunk's log-softmax
+            grad[start : start + chunk_rows] = logp.exp_().mul_(weight).scatter_add_(1, t, -weight)
         ctx.save_for_backward(grad)
         return total * scale
 
