@@ -49,7 +49,10 @@ def build_model(
     if spec in PRESETS:
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
+        # Drawn before construction, which consumes the RNG differently under ZeRO-3.
+        base_seed = int(torch.randint(0, 2**62, (1,)).item())
         model = ZeroStackForCausalLM._from_config(get_config(spec, **overrides), dtype=dtype)
+        seeded_init(model, base_seed, zero3=zero3_config is not None)
     elif os.path.isdir(spec):
         model = _from_folder(spec, overrides, dtype)
         if vocab_size is not None and vocab_size > model.config.vocab_size:
@@ -62,6 +65,42 @@ def build_model(
     if keep_alive is not None:
         model.hf_deepspeed_config = keep_alive
     return model
+
+
+def seeded_init(model: ZeroStackForCausalLM, base_seed: int, zero3: bool = False) -> None:
+    """Re-draw every weight from a generator of its own, seeded from the caller's torch seed and
+    the module's position, so a preset starts from the same weights however it is built: whole,
+    or partitioned under ZeRO-3 (where construction consumes the global RNG differently). That is
+    what lets ZeRO 0-3, DDP and FSDP runs start identically from one seed."""
+    std = model.config.initializer_range
+    seen: set[int] = set()
+    for i, module in enumerate(model.modules()):
+        params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        if not params:
+            continue
+        seen.update(id(p) for p in params)
+        gen = torch.Generator().manual_seed(base_seed + i)
+        gather = _gathered(params) if zero3 else _nothing()
+        with gather, torch.no_grad():
+            for p in params:
+                if p.dim() == 1:  # norm scales
+                    p.fill_(1.0)
+                else:  # linear and embedding matrices; residual projections carry a smaller std
+                    w = torch.empty(p.shape, dtype=torch.float32)
+                    w.normal_(0.0, getattr(module, "init_std", std), generator=gen)
+                    p.copy_(w)
+
+
+def _gathered(params):
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _zero3_context(zero3_config: dict):
