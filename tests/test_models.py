@@ -55,6 +55,17 @@ def tiny(**overrides) -> ZeroStackConfig:
     return get_config("tiny", **{"vocab_size": 128, "max_position_embeddings": 64, **overrides})
 
 
+def qwen2_config(vocab_size: int) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
 def model_and_llama(config: ZeroStackConfig):
     torch.manual_seed(0)
     ours = ZeroStackForCausalLM(config).eval()
@@ -163,14 +174,7 @@ def test_trainer_call_works_on_stock_hf_causal_lms(family):
             GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64)
         )
     else:
-        config = Qwen2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-        model = Qwen2ForCausalLM(config.__class__(**{**config.to_dict(), "vocab_size": 128}))
+        model = Qwen2ForCausalLM(qwen2_config(vocab_size=128))
     x = torch.randint(0, 128, (2, 16))
     y = torch.randint(0, 128, (2, 16))
     out = model(input_ids=x, labels=y, shift_labels=y)
@@ -275,16 +279,7 @@ def test_build_model_from_presets_and_any_hf_folder(tmp_path):
     assert isinstance(gpt2, GPT2LMHeadModel) and gpt2.get_input_embeddings().weight.shape[0] == 120
 
     torch.manual_seed(0)
-    qwen_config = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    qwen = Qwen2ForCausalLM(
-        qwen_config.__class__(**{**qwen_config.to_dict(), "vocab_size": 100})
-    ).eval()
+    qwen = Qwen2ForCausalLM(qwen2_config(vocab_size=100)).eval()
     qwen.save_pretrained(tmp_path / "qwen")
     # a vocabulary larger than the data's (padded) is kept
     loaded = build_model(str(tmp_path / "qwen"), vocab_size=90).eval()
