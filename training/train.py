@@ -64,6 +64,11 @@ def parser() -> argparse.ArgumentParser:
     a("--keep-last", type=int, default=3)
     a("--activation-checkpointing", action="store_true")
     a(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model in place (fuses the elementwise work; first steps compile)",
+    )
+    a(
         "--precision",
         choices=["bf16", "fp16", "fp32"],
         default=None,
@@ -117,6 +122,7 @@ class Settings:
     save_every: int
     keep_last: int
     activation_checkpointing: bool
+    compile: bool
     precision: str | None
     stop_at: int | None
     resume: str
@@ -226,6 +232,8 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     )
     if s.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if s.compile:
+        model.compile()  # in place: parameter names and checkpoints are unchanged
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     fpt = flops_per_token(model.config, s.seq_len, n_params=n_params)
 
