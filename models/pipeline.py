@@ -110,12 +110,11 @@ def build_pipeline_module(
 def model_state_dict_to_pipeline(sd: dict, config: ZeroStackConfig) -> dict:
     """ZeroStackForCausalLM state dict -> PipelineModule state dict (same tensors, renamed)."""
     last = config.num_hidden_layers
+    embedding = f"tied_modules.{TIED_KEY}.weight" if config.tie_word_embeddings else "0.weight"
     out = {}
     for name, tensor in sd.items():
         if name == "tok_embeddings.weight":
-            out[f"tied_modules.{TIED_KEY}.weight" if config.tie_word_embeddings else "0.weight"] = (
-                tensor
-            )
+            out[embedding] = tensor
         elif name.startswith("layers."):
             idx, rest = name[len("layers.") :].split(".", 1)
             out[f"{int(idx) + 1}.{rest}"] = tensor
