@@ -36,6 +36,12 @@ class DeepSpeedEngine:
             config=ds_config,
         )
         self.device = device
+        # What each group was built with: a universal load copies group 0's values onto every
+        # group under ZeRO-3 (so norms would be decayed), so load() puts these back.
+        self._group_hparams = [
+            {k: g[k] for k in ("weight_decay", "betas", "eps") if k in g}
+            for g in self.engine.optimizer.param_groups
+        ]
 
     @property
     def module(self):
@@ -81,6 +87,16 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
 
     def load(self, root, tag: str) -> None:
+        """Load root/tag: a native checkpoint, or a universal copy when the config says
+        checkpoint.load_universal (set by train.py before initialize)."""
         path, _ = self.engine.load_checkpoint(str(root), tag=tag, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {root}/{tag}")
+        for group, hp in zip(self.engine.optimizer.param_groups, self._group_hparams):
+            group.update(hp)
+        base = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        for st in getattr(base, "state", {}).values():
+            # The ZeRO-3 universal loader gives every sub-group the same step tensor, which
+            # torch's AdamW then advances once per sub-group: give each its own.
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
