@@ -239,14 +239,18 @@ def locate(path: str | Path) -> tuple[Path, str]:
         p = root / tag
     if _TAG.fullmatch(p.name) and p.is_dir():
         if not is_complete(p):
-            raise CheckpointError(f"{p}: checkpoint is incomplete or corrupt (a killed save?)")
+            verify(p)  # raises, naming the missing or short file
         return p.parent, p.name
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     tag = find_latest(root) if root.is_dir() else None
     if tag is None:
-        what = (
-            "no checkpoints/ folder" if root == p and p.name != "checkpoints" else "none complete"
-        )
+        tags = all_tags(root)
+        if tags:  # say what is wrong with the newest one
+            try:
+                verify(root / tags[-1])
+            except CheckpointError as e:
+                raise CheckpointError(f"{p}: holds no complete checkpoint; {e}") from None
+        what = "no checkpoints/ folder" if root == p and p.name != "checkpoints" else "none saved"
         raise CheckpointError(f"{p}: holds no complete checkpoint ({what})")
     return root, tag
 

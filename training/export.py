@@ -91,11 +91,16 @@ def iter_weights(
 
 
 def _pipeline_renamer(state: dict, config):
-    if int(state.get("pipeline_stages", 1)) <= 1:
-        return lambda name, t: [(name, t)]
+    """Pipeline checkpoints name weights `<layer>.<name>` and `tied_modules.embed.weight`;
+    everything else already uses the model's names."""
     from models import pipeline_state_dict_to_model
 
-    return lambda name, t: pipeline_state_dict_to_model({name: t}, config).items()
+    def rename(name, t):
+        if name.startswith("tied_modules.") or name.split(".", 1)[0].isdigit():
+            return pipeline_state_dict_to_model({name: t}, config).items()
+        return [(name, t)]
+
+    return rename
 
 
 def _zero0_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
@@ -161,6 +166,32 @@ def load_model(root: Path, tag: str, state: dict, dtype: torch.dtype = torch.flo
         if buf.is_meta:  # non-persistent buffers (rotary tables) are rebuilt, not stored
             raise ExportError(f"{root / tag}: buffer {name} has no value")
     return model.eval()
+
+
+def folder_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The import direction: (name, tensor) for the weights of an HF folder, under the names of
+    the model `models.build_model(folder)` builds (ours for Llama folders), one at a time."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from models import from_llama_state_dict
+
+    folder = Path(folder)
+    llama = AutoConfig.from_pretrained(folder).model_type == "llama"
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:  # pickled weights: small legacy folders, read whole
+        sd = {}
+        for f in sorted(folder.glob("*.bin")):
+            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+        yield from (from_llama_state_dict(sd) if llama else sd).items()
+        return
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for key in sf.keys():
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                t = sf.get_tensor(key)
+                yield from (from_llama_state_dict({key: t}) if llama else {key: t}).items()
 
 
 def load_state_dict(root: Path, tag: str, state: dict) -> dict[str, torch.Tensor]:
@@ -345,7 +376,9 @@ def verify_export(folder: Path, ids: torch.Tensor, ref_logits: torch.Tensor, ref
     """Reload `folder` with stock transformers; its logits on `ids` and its greedy continuation
     must match the checkpoint's. Returns (max |logit difference|, generated tokens)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     logits, gen = _logits_and_greedy(theirs, ids)
     del theirs

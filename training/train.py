@@ -292,6 +292,17 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         **({} if s.backend == "deepspeed" else {"precision": precision}),
     )
 
+    if (
+        s.backend == "deepspeed"
+        and resume is None
+        and precision != "fp32"
+        and Path(s.model).is_dir()
+    ):
+        from training.export import folder_weights
+
+        # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
+        engine.set_master_weights(folder_weights(s.model))
+
     micro = ds_cfg["train_micro_batch_size_per_gpu"]
     accum = ds_cfg["gradient_accumulation_steps"]
     train_ds = TokenDataset(s.data, "train", s.seq_len)

@@ -86,6 +86,29 @@ class DeepSpeedEngine:
         state = {"universal_checkpoint_info": {}, **client_state}
         self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
 
+    def set_master_weights(self, weights) -> int:
+        """Overwrite the fp32 master copy of each (name, tensor) in `weights` (all ranks, same
+        order); returns how many parameters were set. Under bf16 DeepSpeed builds the masters
+        from the 16-bit weights, which would round a model imported from an fp32 folder."""
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        params = dict(self.engine.module.named_parameters())
+        n = 0
+        for name, value in weights:
+            p = params.get(name)
+            if p is None:
+                continue
+            value = value.float()
+            if hasattr(p, "ds_id"):  # ZeRO-3 cuts rank slices out of the padded flat value
+                world = dist.get_world_size(group=p.ds_process_group)
+                value = F.pad(value.flatten(), (0, p.partition_numel() * world - value.numel()))
+            if hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None:
+                safe_set_full_fp32_param(p, value)
+                n += 1
+        return n
+
     def load(self, root, tag: str) -> None:
         """Load root/tag: a native checkpoint, or a universal copy when the config says
         checkpoint.load_universal (set by train.py before initialize)."""
