@@ -1,6 +1,6 @@
 """Resume on another world size or ZeRO stage: real runs, compared with an uninterrupted one.
 
-One uninterrupted 2-rank ZeRO-2 run saves after every step. Runs resumed from its step-3
+The runs (conftest.py, `resumed_runs`): one uninterrupted 2-rank ZeRO-2 run saves after every step. Runs resumed from its step-3
 checkpoint on 1 rank (ZeRO-2 and ZeRO-1) and on 2 ranks (ZeRO-3) take step 4 and save; a 1-rank
 ZeRO-3 run resumed from the 2-rank ZeRO-3 one takes step 5. The global batch is the same
 everywhere (2 ranks x micro 2 = 1 rank x micro 2 x accum 2), so the loader serves the same
@@ -18,24 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, read_metrics
+from conftest import UNIVERSAL_ARGS, read_metrics
 
 from training import checkpoint as ckpt
 from training import universal
 from training.checkpoint import CheckpointError
 from training.universal import Topology, ZeroFiles, ensure, plan
 
-COMMON = [
-    "--model", "tiny", "--seq-len", "64", "--log-every", "1", "--eval-every", "0",
-    "--eval-samples", "8", "--lr", "3e-3", "--warmup", "2", "--steps", "6",
-]  # fmt: skip
-
-
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def args(data, out, *extra):
-    return ["--data", str(data), "--out", str(out), *COMMON, *extra]
+    return ["--data", str(data), "--out", str(out), *UNIVERSAL_ARGS, *extra]
 
 
 def step_dir(run: Path, step: int) -> Path:
@@ -70,29 +64,9 @@ def loss_at(run: Path, step: int) -> float:
     return next(r["loss"] for r in read_metrics(run) if r["step"] == step)
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_data, tmp_path_factory):
-    base = tmp_path_factory.mktemp("universal")
-    ref = base / "ref"
-    launch(args(tiny_data, ref, "--micro-batch", "2", "--save-every", "1", "--keep-last", "10"))
-    src = step_dir(ref, 3)
-    out = {"ref": ref, "logs": {}}
-    resumes = {  # name: (ranks, config, batch flags)
-        "z2_1rank": (1, "zero2", ["--micro-batch", "2", "--grad-accum", "2"]),
-        "z3_2rank": (2, "zero3", ["--micro-batch", "2"]),
-        "z1_1rank": (1, "zero1", ["--micro-batch", "2", "--grad-accum", "2"]),
-    }
-    for name, (n, cfg, batch) in resumes.items():
-        run = base / name
-        extra = ["--ds_config", f"ds_configs/{cfg}.json", "--resume", str(src), "--stop-at", "4"]
-        p = launch(args(tiny_data, run, *batch, *extra, "--save-every", "0"), nproc=n)
-        out[name], out["logs"][name] = run, p.stdout + p.stderr
-    # ZeRO-3 on 2 ranks -> ZeRO-3 on 1 rank, continuing the z3_2rank run in its own folder
-    run = out["z3_2rank"]
-    extra = ["--ds_config", "ds_configs/zero3.json", "--stop-at", "5", "--save-every", "0"]
-    p = launch(args(tiny_data, run, "--micro-batch", "2", "--grad-accum", "2", *extra), nproc=1)
-    out["logs"]["z3_1rank"] = p.stdout + p.stderr
-    return out
+@pytest.fixture
+def runs(resumed_runs):
+    return resumed_runs
 
 
 @pytest.mark.parametrize("name", ["z2_1rank", "z3_2rank", "z1_1rank"])

@@ -149,7 +149,12 @@ def is_complete(folder: Path) -> bool:
     return True
 
 
-def verify(folder: Path) -> None:
+def verify_sizes(folder: Path) -> None:
+    """verify() without reading the files: only that each is there with its size."""
+    verify(folder, crc=False)
+
+
+def verify(folder: Path, crc: bool = True) -> None:
     """Raise CheckpointError unless every file complete.json lists is there with its size and
     CRC-32 (listings written before CRCs were recorded are checked by size)."""
     try:
@@ -168,7 +173,7 @@ def verify(folder: Path) -> None:
                 f"{folder}: corrupt checkpoint: {name} is {p.stat().st_size} bytes, "
                 f"{size} were written (truncated?)"
             )
-        if name in crcs and crc32(p) != crcs[name]:
+        if crc and name in crcs and crc32(p) != crcs[name]:
             raise CheckpointError(
                 f"{folder}: corrupt checkpoint: {name} does not match its CRC-32 "
                 "(changed on disk since it was written)"
@@ -239,9 +244,12 @@ def locate(path: str | Path) -> tuple[Path, str]:
         p = root / tag
     if _TAG.fullmatch(p.name) and p.is_dir():
         if not is_complete(p):
-            verify(p)  # raises, naming the missing or short file
+            verify_sizes(p)  # raises, naming the missing or short file
         return p.parent, p.name
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    latest = root / LATEST
+    if latest.is_file() and (root / latest.read_text().strip() / COMPLETE).is_file():
+        verify_sizes(root / latest.read_text().strip())  # sealed, then damaged: say so
     tag = find_latest(root) if root.is_dir() else None
     if tag is None:
         tags = all_tags(root)
