@@ -12,7 +12,10 @@ weight decay applied to the norms (~3e-4)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
 from functools import partial
 from pathlib import Path
 
@@ -58,6 +61,12 @@ def assert_same_state(a: Path, b: Path, tol: float = 1e-5):
             x, y = ta[key], tb[key]
             rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
             assert rel <= tol, (name, key, rel)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid  # exited and reaped: no such process now
 
 
 def loss_at(run: Path, step: int) -> float:
@@ -113,12 +122,18 @@ def test_conversion_is_made_once_and_cached(runs):
 def test_a_crash_never_leaves_a_copy_that_looks_valid(runs, tmp_path):
     root = tmp_path / "checkpoints"
     shutil.copytree(step_dir(runs["ref"], 2), root / "step_00000002")
-    # a crashed conversion's leftovers: a hidden temporary folder, and a copy of an older save
-    (root / ".step_00000002_universal.tmp-999" / "zero").mkdir(parents=True)
+    # a crashed conversion's leftovers: a hidden temporary folder, and a copy of an older save;
+    # a conversion still running elsewhere (a live process) keeps its folder
+    host = socket.gethostname()
+    crashed = root / f".step_00000002_universal.tmp-{host}-{_dead_pid()}"
+    running = root / f".step_00000002_universal.tmp-{host}-{os.getppid()}"
+    for d in (crashed, running):
+        (d / "zero").mkdir(parents=True)
     stale = root / "step_00000002_universal"
     shutil.copytree(runs["ref"] / "checkpoints" / "step_00000003_universal", stale)
     assert ensure(root, "step_00000002", log=lambda m: None) == "step_00000002_universal"
-    assert not list(root.glob(".*tmp*"))
+    assert list(root.glob(".*tmp*")) == [running]
+    shutil.rmtree(running)
     assert_same_state(root / "step_00000002", stale)  # re-made from step 2, not kept from 3
 
     # a file of the copy changed on disk: found by its CRC and made again

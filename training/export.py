@@ -21,7 +21,6 @@ tensor at a time, and our model is freed before the export is reloaded.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -37,6 +36,7 @@ if __package__ in (None, ""):
 import torch
 
 from training import checkpoint as ckpt
+from training.universal import release_freed_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -240,7 +240,7 @@ def export(
         else:  # any other HF causal LM keeps its own class, names and writer
             model.to(torch_dtype).save_pretrained(tmp, max_shard_size=shard_bytes)
         del model
-        gc.collect()
+        release_freed_memory()  # the reload below must not stack on our model's freed pages
         _write_generation_config(tmp, config)
         _copy_tokenizer(root.parent, state, tmp)
         _write_card(tmp, root.parent, tag, state, dtype)

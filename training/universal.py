@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,19 +127,36 @@ def ensure(root: Path, tag: str, *, force: bool = False, log=print) -> str:
         log(f"universal: reusing {dst}")
         return utag
     ckpt.verify(src)
-    for stale in root.glob(f".{utag}.tmp-*"):  # left by a crashed conversion
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".{utag}.tmp-{os.getpid()}"
+    host = socket.gethostname()
+    for stale in root.glob(f".{utag}.tmp-*"):  # left by a crashed conversion on this host
+        other_host, _, pid = stale.name.rpartition("-")
+        if other_host.endswith(f"tmp-{host}") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".{utag}.tmp-{host}-{os.getpid()}"
     t0 = time.perf_counter()
     try:
         n = convert(src, tmp)
         ckpt.write_listing(tmp, {"source": source_id, "source_tag": tag})
         shutil.rmtree(dst, ignore_errors=True)
-        tmp.rename(dst)
+        try:
+            tmp.rename(dst)
+        except OSError:  # another process finished the same conversion first
+            if not _sealed_for(dst, source_id):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"universal: converted {src} -> {dst} ({n} tensors, {time.perf_counter() - t0:.1f} s)")
     return utag
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _sealed_for(folder: Path, source_id: str) -> bool:
@@ -161,8 +180,8 @@ def convert(src: Path, out: Path) -> int:
     for name, states, step in files.params(STATE_KEYS):
         d = zero / name
         d.mkdir()
-        for key, t in states.items():
-            torch.save({"param": t}, d / f"{key}.pt")
+        for key in states:  # one state of one parameter in memory at a time
+            torch.save({"param": states[key]}, d / f"{key}.pt")
         torch.save(step, d / "step.pt")
         n += 1
     if n == 0:
@@ -219,9 +238,10 @@ class ZeroFiles:
                 raise CheckpointError(f"{self.folder}: {f.name} is missing")
         self._first = None
 
-    def params(self, keys=STATE_KEYS) -> Iterator[tuple[str, dict[str, torch.Tensor], object]]:
-        """Yield (name, {key: full-shape fp32 tensor}, step) for every trained parameter, in the
-        order the model declares them. keys: any of fp32, exp_avg, exp_avg_sq."""
+    def params(self, keys=STATE_KEYS) -> Iterator[tuple[str, Mapping[str, torch.Tensor], object]]:
+        """Yield (name, states, step) for every trained parameter, in the order the model
+        declares them. `states[key]` (key: fp32, exp_avg or exp_avg_sq) gathers that state as a
+        full-shape fp32 tensor when asked, so only what is asked for is ever in memory."""
         if self.stage == 3:
             yield from self._params_stage3(keys)
         else:
@@ -239,26 +259,17 @@ class ZeroFiles:
                     if name in done:  # a tied weight that an earlier pipeline stage also holds
                         continue
                     pieces = [
-                        (r, sd["param_slice_mappings"][g][name])
+                        (r, fa.start, fa.numel)
                         for r, sd in enumerate(sds)
-                        if name in sd["param_slice_mappings"][g]
+                        if (fa := sd["param_slice_mappings"][g].get(name)) is not None
                     ]
-                    numel = sum(fa.numel for _, fa in pieces)
+                    numel = sum(n for _, _, n in pieces)
                     if numel != math.prod(shape):
                         raise CheckpointError(
                             f"{self.folder}: {name} has {numel} of its {math.prod(shape)} "
                             "elements in the optimizer files; the checkpoint is corrupt"
                         )
-                    yield (
-                        name,
-                        {
-                            k: _gather(
-                                [f[r].narrow(0, fa.start, fa.numel) for r, fa in pieces]
-                            ).view(shape)
-                            for k, f in flats.items()
-                        },
-                        step,
-                    )
+                    yield name, _States(flats, pieces, shape), step
                     done.add(name)
             del sds
 
@@ -281,18 +292,14 @@ class ZeroFiles:
             for name, shape in group.items():
                 numel = math.prod(shape)
                 part = math.ceil(numel / world)  # each rank holds `part`, the last ones padded
-                sizes = [max(0, min(part, numel - r * part)) for r in range(world)]
-                out = {}
-                for k, f in flats.items():
-                    if offset + part > f[0].numel():
-                        raise CheckpointError(
-                            f"{self.folder}: {name} lies past the end of the optimizer files; "
-                            "the checkpoint is corrupt"
-                        )
-                    out[k] = _gather([f[r].narrow(0, offset, n) for r, n in enumerate(sizes)]).view(
-                        shape
+                if offset + part > min(f[0].numel() for f in flats.values()):
+                    raise CheckpointError(
+                        f"{self.folder}: {name} lies past the end of the optimizer files; "
+                        "the checkpoint is corrupt"
                     )
-                yield name, out, step
+                sizes = [max(0, min(part, numel - r * part)) for r in range(world)]
+                pieces = [(r, offset, n) for r, n in enumerate(sizes)]
+                yield name, _States(flats, pieces, shape), step
                 offset += part
 
     def global_state(self) -> dict:
@@ -322,6 +329,24 @@ class ZeroFiles:
         return out
 
 
+class _States(Mapping):
+    """One parameter's optimizer states: key -> full tensor, gathered from the mapped files on
+    each access (pieces: (rank, start, numel) in each rank's flat tensor) and not kept."""
+
+    def __init__(self, flats: dict, pieces: list[tuple[int, int, int]], shape):
+        self._flats, self._pieces, self._shape = flats, pieces, shape
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        f = self._flats[key]
+        return _gather([f[r].narrow(0, start, n) for r, start, n in self._pieces]).view(self._shape)
+
+    def __iter__(self):
+        return iter(self._flats)
+
+    def __len__(self) -> int:
+        return len(self._flats)
+
+
 def _flat(sd: dict, group: int, key: str) -> torch.Tensor:
     if key == "fp32":
         return sd["single_partition_of_fp32_groups"][group]
@@ -336,6 +361,7 @@ def _load(path: Path):
             f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0]})"
         ) from None
     _MAPPED[os.path.realpath(path)] = None
+    _FILE_MAPS.clear()  # mappings change with every load: look again when asked
     return obj
 
 
@@ -351,6 +377,14 @@ def _gather(pieces: list[torch.Tensor]) -> torch.Tensor:
     for p in pieces:
         drop_pages(p)
     return out
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by Python and torch back to the OS (glibc keeps freed heap pages in
+    its arenas, where they still count as resident), so a later phase does not stack on top."""
+    gc.collect()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
 
 
 def drop_pages(t: torch.Tensor) -> None:
