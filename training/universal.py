@@ -101,6 +101,11 @@ def plan(saved: dict, now: Topology, mode: str = "auto") -> bool:
         # ZeRO-0 keeps whole, unpartitioned optimizer state that DeepSpeed's universal loader
         # does not read; every rank holds all of it, so only the world size may change.
         if (was.zero_stage, was.pipeline_stages) == (now.zero_stage, now.pipeline_stages):
+            if mode == "always":
+                raise CheckpointError(
+                    f"--universal always: checkpoint {tag} is ZeRO-0, which has no universal "
+                    "form; it resumes as it is on any world size (use --universal auto)"
+                )
             return False
         raise CheckpointError(
             f"checkpoint {tag} was saved on {was}; this run is {now}: moving into or out of "
