@@ -236,7 +236,9 @@ def locate(path: str | Path) -> tuple[Path, str]:
         run = p.parent
         root = run if run.name == "checkpoints" else run / "checkpoints"
         if not step.isdigit() or not run.is_dir():
-            raise CheckpointError(f"{p}: no such run or checkpoint folder")
+            raise CheckpointError(
+                f"{p}: no complete checkpoint there (no such run or checkpoint folder)"
+            )
         tag = tag_for(int(step))
         if not (root / tag).is_dir():
             have = ", ".join(complete_tags(root)) or "none"

@@ -192,7 +192,13 @@ def _plan_resume(s: Settings, ds_cfg: dict, world: int, rank: int, root: Path, t
     now = universal.Topology(
         s.backend, world, config.zero_stage(ds_cfg), config.pipeline_stages(ds_cfg)
     )
-    return universal.plan(saved, now, s.universal)
+    use = universal.plan(saved, now, s.universal)
+    if use and not os.access(root, os.W_OK) and not universal.is_ready(root, tag):
+        raise checkpoint.CheckpointError(
+            f"{root / tag}: resuming on {now} needs a universal copy beside it, and {root} is "
+            "not writable; copy the checkpoint somewhere writable and --resume from there"
+        )
+    return use
 
 
 def _model_config(spec: str, vocab_size: int):

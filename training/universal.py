@@ -154,6 +154,16 @@ def ensure(root: Path, tag: str, *, force: bool = False, log=print) -> str:
     return utag
 
 
+def is_ready(root: Path, tag: str) -> bool:
+    """Whether checkpoint root/tag already has a sealed, current universal copy."""
+    src = Path(root) / tag
+    try:
+        source_id = hashlib.sha1((src / ckpt.COMPLETE).read_bytes()).hexdigest()
+    except OSError:
+        return False
+    return _sealed_for(Path(root) / universal_tag(tag), source_id)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
