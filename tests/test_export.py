@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training import checkpoint as ckpt
-from training.export import export, load_model, main
+from training.export import export, export_report, main
+from training.weights import load_model
 
 COMMON = [
     "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--log-every", "1",
@@ -51,7 +52,7 @@ def greedy(model, ids, n=12):
 def test_export_reloads_in_stock_transformers(runs, tmp_path, name):
     run = runs[name]
     hf = tmp_path / "hf"
-    report = export(run, hf)
+    report = export_report(run, hf)
     files = set(report.files)
     assert {"config.json", "model.safetensors", "generation_config.json", "README.md"} <= files
     assert {"tokenizer.json", "tokenizer_config.json"} <= files
@@ -92,7 +93,7 @@ def test_export_reloads_in_stock_transformers(runs, tmp_path, name):
 def test_sharded_bf16_export(runs, tmp_path):
     fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
     export(runs["zero2"], fp32)
-    report = export(runs["zero2"], bf16, dtype="bfloat16", max_shard_size="100KB")
+    report = export_report(runs["zero2"], bf16, dtype="bfloat16", max_shard_size="100KB")
     shards = sorted(f for f in report.files if f.endswith(".safetensors"))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     index = json.loads((bf16 / "model.safetensors.index.json").read_text())

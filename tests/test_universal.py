@@ -26,7 +26,8 @@ from conftest import UNIVERSAL_ARGS, read_metrics
 from training import checkpoint as ckpt
 from training import universal
 from training.checkpoint import CheckpointError
-from training.universal import Topology, ZeroFiles, ensure, plan
+from training.universal import Topology, ensure, plan
+from training.zero_files import ZeroFiles
 
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 

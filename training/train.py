@@ -304,7 +304,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         and precision != "fp32"
         and Path(s.model).is_dir()
     ):
-        from training.export import folder_weights
+        from training.weights import folder_weights
 
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
         engine.set_master_weights(folder_weights(s.model))
