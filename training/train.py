@@ -266,7 +266,11 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
             from training import universal
 
             if dist.is_main:  # once, beside the checkpoint; the other ranks wait
-                universal.ensure(root, tag, log=lambda m: print(m, flush=True))
+                try:
+                    universal.ensure(root, tag, log=lambda m: print(m, flush=True))
+                except checkpoint.CheckpointError as e:  # the launcher then stops the others
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                    sys.exit(2)
             D.barrier()
             load_tag = universal.universal_tag(tag)
             ds_cfg = {
