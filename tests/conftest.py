@@ -84,3 +84,43 @@ def tiny_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "pystdlib-tiny"
     prepare("pystdlib", out, vocab_size=512, max_docs=300, num_proc=1, val_fraction=0.05)
     return out
+
+
+UNIVERSAL_ARGS = [
+    "--model", "tiny", "--seq-len", "64", "--log-every", "1", "--eval-every", "0",
+    "--eval-samples", "8", "--lr", "3e-3", "--warmup", "2", "--steps", "6",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def resumed_runs(tiny_data, tmp_path_factory) -> dict:
+    """The checkpoints of tests/test_universal.py, which test_export.py exports too: an
+    uninterrupted 2-rank ZeRO-2 run `ref` saving every step (6 steps); runs resumed from its step 3
+    that take step 4 on 1 rank ZeRO-2 (`z2_1rank`), 2 ranks ZeRO-3 (`z3_2rank`) and 1 rank ZeRO-1
+    (`z1_1rank`); and `z3_2rank` continued on 1 rank ZeRO-3 to step 5. `logs` holds each
+    resumed launch's output."""
+    base = tmp_path_factory.mktemp("universal")
+
+    def args(out, *extra):
+        return ["--data", str(tiny_data), "--out", str(out), *UNIVERSAL_ARGS, *extra]
+
+    ref = base / "ref"
+    launch(args(ref, "--micro-batch", "2", "--save-every", "1", "--keep-last", "10"))
+    src = ref / "checkpoints" / "step_00000003"
+    out = {"ref": ref, "logs": {}}
+    resumes = {  # name: (ranks, config, batch flags)
+        "z2_1rank": (1, "zero2", ["--micro-batch", "2", "--grad-accum", "2"]),
+        "z3_2rank": (2, "zero3", ["--micro-batch", "2"]),
+        "z1_1rank": (1, "zero1", ["--micro-batch", "2", "--grad-accum", "2"]),
+    }
+    for name, (n, cfg, batch) in resumes.items():
+        run = base / name
+        extra = ["--ds_config", f"ds_configs/{cfg}.json", "--resume", str(src), "--stop-at", "4"]
+        p = launch(args(run, *batch, *extra, "--save-every", "0"), nproc=n)
+        out[name], out["logs"][name] = run, p.stdout + p.stderr
+    # ZeRO-3 on 2 ranks -> ZeRO-3 on 1 rank, continuing the z3_2rank run in its own folder
+    run = out["z3_2rank"]
+    extra = ["--ds_config", "ds_configs/zero3.json", "--stop-at", "5", "--save-every", "0"]
+    p = launch(args(run, "--micro-batch", "2", "--grad-accum", "2", *extra), nproc=1)
+    out["logs"]["z3_1rank"] = p.stdout + p.stderr
+    return out

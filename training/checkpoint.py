@@ -5,17 +5,23 @@
         latest                   the tag of the newest *complete* checkpoint
 
 An engine writes its files into the tag folder; then rank 0 writes the trainer state and a
-`complete.json` listing every file with its size, and only then moves `latest` to the new tag
-(an atomic rename). A kill at any moment before that leaves `latest` on the previous checkpoint,
-and an incomplete folder is never loaded.
+`complete.json` listing every file with its size and CRC-32, and only then moves `latest` to the
+new tag (an atomic rename). A kill at any moment before that leaves `latest` on the previous
+checkpoint, and an incomplete folder is never loaded. `verify` re-reads the files against the
+listing, so a truncated or corrupted file is found before anything loads it.
+
+A universal copy of a checkpoint (training/universal.py) lives beside it as `step_N_universal`
+and goes when its checkpoint goes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -25,6 +31,8 @@ from training import distributed as D
 LATEST = "latest"
 COMPLETE = "complete.json"
 STATE = "trainer_state.pt"
+UNIVERSAL_SUFFIX = "_universal"
+_TAG = re.compile(r"step_\d+")
 
 
 class CheckpointError(ValueError):
@@ -65,6 +73,7 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_
         root.mkdir(parents=True, exist_ok=True)
         if folder.exists():  # a partial save of this step from an earlier, killed run
             shutil.rmtree(folder)
+        shutil.rmtree(root / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)  # stale copy of it
     D.barrier()
     engine.save(root, tag, {"zerostack": {k: v for k, v in trainer_state.items()}})
     rngs = _gather_object(rng_state())
@@ -77,7 +86,7 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_
         if hold and int(hold.split(":")[0]) == step:  # test hook: lets a test kill a save
             print(f"[test hook] holding save of {tag} open", flush=True)
             time.sleep(float(hold.split(":")[1]))
-        _write_atomic(folder / COMPLETE, json.dumps(_listing(folder), indent=1))
+        write_listing(folder)
         _write_atomic(root / LATEST, tag)
         _prune(root, keep_last)
     D.barrier()
@@ -95,11 +104,27 @@ def _gather_object(obj) -> list:
 
 
 def _listing(folder: Path) -> dict:
-    files = {}
+    files, crcs = {}, {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != COMPLETE:
-            files[str(p.relative_to(folder))] = p.stat().st_size
-    return {"files": files}
+            name = str(p.relative_to(folder))
+            files[name] = p.stat().st_size
+            crcs[name] = crc32(p)
+    return {"files": files, "crc32": crcs}
+
+
+def crc32(path: Path) -> int:
+    """CRC-32 of a file, read in 16 MiB chunks (zlib does about 3 GB/s)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_listing(folder: Path, extra: dict | None = None) -> None:
+    """Seal a folder: list every file with size and CRC-32 in complete.json (written last)."""
+    _write_atomic(folder / COMPLETE, json.dumps({**_listing(folder), **(extra or {})}, indent=1))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -124,15 +149,51 @@ def is_complete(folder: Path) -> bool:
     return True
 
 
+def verify_sizes(folder: Path) -> None:
+    """verify() without reading the files: only that each is there with its size."""
+    verify(folder, crc=False)
+
+
+def verify(folder: Path, crc: bool = True) -> None:
+    """Raise CheckpointError unless every file complete.json lists is there with its size and
+    CRC-32 (listings written before CRCs were recorded are checked by size)."""
+    try:
+        listing = json.loads((folder / COMPLETE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{folder}: incomplete checkpoint (no readable {COMPLETE}: {e})"
+        ) from None
+    crcs = listing.get("crc32", {})
+    for name, size in listing.get("files", {}).items():
+        p = folder / name
+        if not p.is_file():
+            raise CheckpointError(f"{folder}: corrupt checkpoint: {name} is missing")
+        if p.stat().st_size != size:
+            raise CheckpointError(
+                f"{folder}: corrupt checkpoint: {name} is {p.stat().st_size} bytes, "
+                f"{size} were written (truncated?)"
+            )
+        if crc and name in crcs and crc32(p) != crcs[name]:
+            raise CheckpointError(
+                f"{folder}: corrupt checkpoint: {name} does not match its CRC-32 "
+                "(changed on disk since it was written)"
+            )
+
+
 def complete_tags(root: Path) -> list[str]:
-    """Complete checkpoint tags under root, oldest first."""
+    """Complete checkpoint tags under root, oldest first (universal copies are not tags)."""
     if not root.is_dir():
         return []
     return sorted(
-        p.name
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith("step_") and is_complete(p)
+        p.name for p in root.iterdir() if p.is_dir() and _TAG.fullmatch(p.name) and is_complete(p)
     )
+
+
+def all_tags(root: Path) -> list[str]:
+    """Every checkpoint folder under root, complete or not, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and _TAG.fullmatch(p.name))
 
 
 def find_latest(root: Path) -> str | None:
@@ -155,18 +216,53 @@ def resolve_resume(arg: str, run_dir: Path) -> tuple[Path, str] | None:
         root = run_dir / "checkpoints"
         tag = find_latest(root)
         return (root, tag) if tag else None
-    p = Path(arg)
-    if (p / "checkpoints").is_dir():
-        p = p / "checkpoints"
-    if p.is_dir() and p.name.startswith("step_"):
+    try:
+        return locate(arg)
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume {e}") from None
+
+
+def locate(path: str | Path) -> tuple[Path, str]:
+    """A user's checkpoint path -> (root, tag). Accepts RUN_DIR (its latest complete checkpoint),
+    RUN_DIR/checkpoints, RUN_DIR/checkpoints/step_N, and the short forms RUN_DIR/step_N and
+    RUN_DIR/N. Raises CheckpointError with one line naming what is wrong and what exists."""
+    p = Path(path)
+    if p.name.endswith(UNIVERSAL_SUFFIX):
+        raise CheckpointError(
+            f"{p}: is a universal copy; name its checkpoint {p.name[: -len(UNIVERSAL_SUFFIX)]}"
+        )
+    if not p.exists():
+        step = p.name.removeprefix("step_")
+        run = p.parent
+        root = run if run.name == "checkpoints" else run / "checkpoints"
+        if not step.isdigit() or not run.is_dir():
+            raise CheckpointError(
+                f"{p}: no complete checkpoint there (no such run or checkpoint folder)"
+            )
+        tag = tag_for(int(step))
+        if not (root / tag).is_dir():
+            have = ", ".join(complete_tags(root)) or "none"
+            raise CheckpointError(f"{p}: no checkpoint {tag} in {root} (complete ones: {have})")
+        p = root / tag
+    if _TAG.fullmatch(p.name) and p.is_dir():
         if not is_complete(p):
-            raise CheckpointError(f"--resume {arg}: checkpoint {p} is incomplete or corrupt")
+            verify_sizes(p)  # raises, naming the missing or short file
         return p.parent, p.name
-    if p.is_dir():
-        tag = find_latest(p)
-        if tag:
-            return p, tag
-    raise CheckpointError(f"--resume {arg}: no complete checkpoint found there")
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    latest = root / LATEST
+    if latest.is_file() and (root / latest.read_text().strip() / COMPLETE).is_file():
+        verify_sizes(root / latest.read_text().strip())  # sealed, then damaged: say so
+    tag = find_latest(root) if root.is_dir() else None
+    if tag is None:
+        tags = all_tags(root)
+        if tags:  # say what is wrong with the newest one
+            try:
+                verify(root / tags[-1])
+            except CheckpointError as e:
+                raise CheckpointError(f"{p}: holds no complete checkpoint; {e}") from None
+        what = "no checkpoints/ folder" if root == p and p.name != "checkpoints" else "none saved"
+        raise CheckpointError(f"{p}: holds no complete checkpoint ({what})")
+    return root, tag
 
 
 def load_trainer_state(root: Path, tag: str) -> dict:
@@ -178,4 +274,5 @@ def _prune(root: Path, keep_last: int) -> None:
         return
     tags = complete_tags(root)
     for old in tags[:-keep_last]:
+        shutil.rmtree(root / (old + UNIVERSAL_SUFFIX), ignore_errors=True)
         shutil.rmtree(root / old, ignore_errors=True)

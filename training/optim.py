@@ -12,7 +12,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        # Under ZeRO-3 p is an empty placeholder; ds_shape is the parameter's real shape.
+        dim = len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()
+        (decay if dim >= 2 else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -29,13 +29,14 @@ def generate(
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
+        sampling = {} if greedy else {"temperature": temperature, "top_k": top_k}
         out = model.generate(
             ids,
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
-            temperature=temperature,
-            top_k=top_k,
             pad_token_id=tok.pad_token_id or tok.eos_token_id,
+            **sampling,
         )
     return tok.decode(out[0], skip_special_tokens=True)
 

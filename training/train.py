@@ -7,7 +7,8 @@
 Settings: the DeepSpeed JSON gives the batch triplet, precision, ZeRO stage and clipping; the
 flags --micro-batch, --grad-accum, --global-batch and --grad-clip override those keys; every
 "auto" is then resolved (training/config.py). Re-running with the same --out resumes from the
-latest complete checkpoint.
+latest complete checkpoint; when the checkpoint was saved on another world size, ZeRO stage or
+pipeline layout, through a universal copy made beside it (training/universal.py, --universal).
 """
 
 from __future__ import annotations
@@ -82,6 +83,13 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--resume", default="auto", help="auto | never | a run or checkpoint folder")
     a(
+        "--universal",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="resume through a universal checkpoint: auto (when world size, ZeRO stage or "
+        "pipeline stages differ from the checkpoint's), always, or never (refuse such a resume)",
+    )
+    a(
         "--peak-tflops",
         type=float,
         default=None,
@@ -126,15 +134,17 @@ class Settings:
     precision: str | None
     stop_at: int | None
     resume: str
+    universal: str
     peak_tflops: float | None
     wandb: bool
     dist_timeout: float
     local_rank: int | None
 
 
-def prepare_run(s: Settings, world: int):
+def prepare_run(s: Settings, world: int, rank: int = 0):
     """Everything that can be checked before any process group or model exists.
-    Returns (resolved ds config, data manifest, model config, resume target)."""
+    Returns (resolved ds config, data manifest, model config, resume target, config path); the
+    resume target is None or (checkpoint root, tag, whether to go through a universal copy)."""
     from data import load_manifest
     from training import checkpoint, config
 
@@ -163,7 +173,32 @@ def prepare_run(s: Settings, world: int):
     if s.backend != "deepspeed" and config.pipeline_stages(ds_cfg) > 1:
         raise config.ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
     resume = checkpoint.resolve_resume(s.resume, Path(s.out))
+    if resume is not None:
+        resume = (*resume, _plan_resume(s, ds_cfg, world, rank, *resume))
     return ds_cfg, manifest, model_cfg, resume, cfg_path
+
+
+def _plan_resume(s: Settings, ds_cfg: dict, world: int, rank: int, root: Path, tag: str) -> bool:
+    """Check the checkpoint (rank 0 re-reads every file against its CRC) and decide whether it
+    loads natively or through a universal copy."""
+    from training import checkpoint, config, universal
+
+    if rank == 0:
+        checkpoint.verify(root / tag)
+    try:
+        saved = checkpoint.load_trainer_state(root, tag)
+    except Exception as e:  # a file that passed its CRC yet will not unpickle
+        raise checkpoint.CheckpointError(f"{root / tag}: unreadable trainer state ({e})") from None
+    now = universal.Topology(
+        s.backend, world, config.zero_stage(ds_cfg), config.pipeline_stages(ds_cfg)
+    )
+    use = universal.plan(saved, now, s.universal)
+    if use and not os.access(root, os.W_OK) and not universal.is_ready(root, tag):
+        raise checkpoint.CheckpointError(
+            f"{root / tag}: resuming on {now} needs a universal copy beside it, and {root} is "
+            "not writable; copy the checkpoint somewhere writable and --resume from there"
+        )
+    return use
 
 
 def _model_config(spec: str, vocab_size: int):
@@ -192,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        ds_cfg, manifest, model_cfg, resume, cfg_path = prepare_run(s, world)
+        ds_cfg, manifest, model_cfg, resume, cfg_path = prepare_run(s, world, rank)
     except (ConfigError, DataError, ModelError, CheckpointError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -223,6 +258,26 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
 
         # Hands our process group to deepspeed.comm (zero.Init reads the world size from it).
         deepspeed.init_distributed(dist_backend=dist.backend)
+    load_tag = None
+    if resume is not None:
+        root, tag, use_universal = resume
+        load_tag = tag
+        if use_universal:
+            from training import universal
+
+            if dist.is_main:  # once, beside the checkpoint; the other ranks wait
+                try:
+                    universal.ensure(root, tag, log=lambda m: print(m, flush=True))
+                except checkpoint.CheckpointError as e:  # the launcher then stops the others
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                    sys.exit(2)
+            D.barrier()
+            load_tag = universal.universal_tag(tag)
+            ds_cfg = {
+                **ds_cfg,
+                "checkpoint": {**ds_cfg.get("checkpoint", {}), "load_universal": True},
+            }
+
     torch.manual_seed(s.seed)  # same initial weights on every rank, before the model exists
     stage = C.zero_stage(ds_cfg)
     model = build_model(
@@ -247,6 +302,17 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         **({} if s.backend == "deepspeed" else {"precision": precision}),
     )
 
+    if (
+        s.backend == "deepspeed"
+        and resume is None
+        and precision != "fp32"
+        and Path(s.model).is_dir()
+    ):
+        from training.weights import folder_weights
+
+        # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
+        engine.set_master_weights(folder_weights(s.model))
+
     micro = ds_cfg["train_micro_batch_size_per_gpu"]
     accum = ds_cfg["gradient_accumulation_steps"]
     train_ds = TokenDataset(s.data, "train", s.seq_len)
@@ -255,8 +321,8 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     state = LoopState()
 
     if resume is not None:
-        root, tag = resume
-        engine.load(root, tag)
+        root, tag, _ = resume
+        engine.load(root, load_tag)
         ts = checkpoint.load_trainer_state(root, tag)
         state = LoopState(step=ts["step"], tokens=ts["tokens"], skipped=ts.get("skipped", 0))
         loader.load_state_dict(ts["data"])
@@ -308,6 +374,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
             f"world {dist.world} ({dist.backend}) | model {s.model} {n_params / 1e6:.2f}M params | "
             f"batch {micro}x{accum}x{dist.world}x{s.seq_len} tokens"
             + (f" | resumed from {resume[1]}" if resume else "")
+            + (f" (universal: saved on {_saved_topology(resume)})" if resume and resume[2] else "")
         )
 
     if state.step >= s.steps:
@@ -331,6 +398,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
                 "seed": s.seed,
                 "backend": s.backend,
                 "zero_stage": stage,
+                "pipeline_stages": C.pipeline_stages(ds_cfg),
                 "model": s.model,
                 "data_dir": str(Path(s.data).resolve()),
                 "seq_len": s.seq_len,
@@ -342,6 +410,12 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     logger.close()
     D.teardown()
     return 0
+
+
+def _saved_topology(resume) -> str:
+    from training import checkpoint, universal
+
+    return str(universal.Topology.of_checkpoint(checkpoint.load_trainer_state(*resume[:2])))
 
 
 def _versions() -> dict:

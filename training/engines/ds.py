@@ -36,6 +36,12 @@ class DeepSpeedEngine:
             config=ds_config,
         )
         self.device = device
+        # What each group was built with: a universal load copies group 0's values onto every
+        # group under ZeRO-3 (so norms would be decayed), so load() puts these back.
+        self._group_hparams = [
+            {k: g[k] for k in ("weight_decay", "betas", "eps") if k in g}
+            for g in self.engine.optimizer.param_groups
+        ]
 
     @property
     def module(self):
@@ -80,7 +86,40 @@ class DeepSpeedEngine:
         state = {"universal_checkpoint_info": {}, **client_state}
         self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
 
+    def set_master_weights(self, weights) -> int:
+        """Overwrite the fp32 master copy of each (name, tensor) in `weights` (all ranks, same
+        order); returns how many parameters were set. Under bf16 DeepSpeed builds the masters
+        from the 16-bit weights, which would round a model imported from an fp32 folder."""
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        params = dict(self.engine.module.named_parameters())
+        n = 0
+        for name, value in weights:
+            p = params.get(name)
+            if p is None:
+                continue
+            value = value.float()
+            if hasattr(p, "ds_id"):  # ZeRO-3 cuts rank slices out of the padded flat value
+                world = dist.get_world_size(group=p.ds_process_group)
+                value = F.pad(value.flatten(), (0, p.partition_numel() * world - value.numel()))
+            if hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None:
+                safe_set_full_fp32_param(p, value)
+                n += 1
+        return n
+
     def load(self, root, tag: str) -> None:
+        """Load root/tag: a native checkpoint, or a universal copy when the config says
+        checkpoint.load_universal (set by train.py before initialize)."""
         path, _ = self.engine.load_checkpoint(str(root), tag=tag, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {root}/{tag}")
+        for group, hp in zip(self.engine.optimizer.param_groups, self._group_hparams):
+            group.update(hp)
+        base = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        for st in getattr(base, "state", {}).values():
+            # The ZeRO-3 universal loader gives every sub-group the same step tensor, which
+            # torch's AdamW then advances once per sub-group: give each its own.
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()

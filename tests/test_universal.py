@@ -1,0 +1,193 @@
+"""Resume on another world size or ZeRO stage: real runs, compared with an uninterrupted one.
+
+The runs (conftest.py, `resumed_runs`): one uninterrupted 2-rank ZeRO-2 run saves after every step. Runs resumed from its step-3
+checkpoint on 1 rank (ZeRO-2 and ZeRO-1) and on 2 ranks (ZeRO-3) take step 4 and save; a 1-rank
+ZeRO-3 run resumed from the 2-rank ZeRO-3 one takes step 5. The global batch is the same
+everywhere (2 ranks x micro 2 = 1 rank x micro 2 x accum 2), so the loader serves the same
+samples and each resumed step must match the uninterrupted run's: its loss, and after it the
+fp32 weights, both Adam moments and the step count. On CPU they agree bit for bit; the bounds
+below allow bf16 reduction-order noise and still catch a lost moment (~40% off after a step) or
+weight decay applied to the norms (~3e-4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import UNIVERSAL_ARGS, read_metrics
+
+from training import checkpoint as ckpt
+from training import universal
+from training.checkpoint import CheckpointError
+from training.universal import Topology, ensure, plan
+from training.zero_files import ZeroFiles
+
+KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def args(data, out, *extra):
+    return ["--data", str(data), "--out", str(out), *UNIVERSAL_ARGS, *extra]
+
+
+def step_dir(run: Path, step: int) -> Path:
+    return run / "checkpoints" / ckpt.tag_for(step)
+
+
+def states(folder: Path) -> dict:
+    """{name: ({fp32, exp_avg, exp_avg_sq}: full tensors, step)} of a ZeRO or universal folder."""
+    if (folder / "zero").is_dir():
+        load = partial(torch.load, weights_only=False)
+        return {
+            d.name: ({k: load(d / f"{k}.pt")["param"] for k in KEYS}, float(load(d / "step.pt")))
+            for d in (folder / "zero").iterdir()
+            if d.is_dir()
+        }
+    return {name: (s, float(step)) for name, s, step in ZeroFiles(folder).params()}
+
+
+def assert_same_state(a: Path, b: Path, tol: float = 1e-5):
+    sa, sb = states(a), states(b)
+    assert sa.keys() == sb.keys()
+    for name, (ta, step_a) in sa.items():
+        tb, step_b = sb[name]
+        assert step_a == step_b, (name, step_a, step_b)
+        for key in KEYS:
+            x, y = ta[key], tb[key]
+            rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+            assert rel <= tol, (name, key, rel)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid  # exited and reaped: no such process now
+
+
+def loss_at(run: Path, step: int) -> float:
+    return next(r["loss"] for r in read_metrics(run) if r["step"] == step)
+
+
+@pytest.fixture
+def runs(resumed_runs):
+    return resumed_runs
+
+
+@pytest.mark.parametrize("name", ["z2_1rank", "z3_2rank", "z1_1rank"])
+def test_zero2_two_ranks_resumes_anywhere(runs, name):
+    """2 ranks ZeRO-2 -> 1 rank ZeRO-2, 2 ranks ZeRO-3, 1 rank ZeRO-1."""
+    ref, run = runs["ref"], runs[name]
+    log = runs["logs"][name]
+    assert "universal: saved on 2 ranks, ZeRO-2" in log
+    assert read_metrics(run)[0]["step"] == 4  # the first step it took
+    assert abs(loss_at(run, 4) - loss_at(ref, 4)) <= 1e-3 * loss_at(ref, 4)
+    assert_same_state(step_dir(ref, 4), step_dir(run, 4))
+    # data position and token count carried over
+    ts_ref = ckpt.load_trainer_state(ref / "checkpoints", ckpt.tag_for(4))
+    ts = ckpt.load_trainer_state(run / "checkpoints", ckpt.tag_for(4))
+    assert ts["data"]["consumed_samples"] == ts_ref["data"]["consumed_samples"]
+    assert ts["tokens"] == ts_ref["tokens"]
+
+
+def test_zero3_two_ranks_resumes_on_one(runs):
+    log = runs["logs"]["z3_1rank"]
+    assert "universal: saved on 2 ranks, ZeRO-3" in log
+    run = runs["z3_2rank"]
+    assert [r["step"] for r in read_metrics(run)][-1] == 5
+    assert abs(loss_at(run, 5) - loss_at(runs["ref"], 5)) <= 1e-3 * loss_at(runs["ref"], 5)
+    assert_same_state(step_dir(runs["ref"], 5), step_dir(run, 5))
+
+
+def test_conversion_is_made_once_and_cached(runs):
+    logs = runs["logs"]
+    converted = [
+        n for n in ("z2_1rank", "z3_2rank", "z1_1rank") if "universal: converted" in logs[n]
+    ]
+    reused = [n for n in ("z2_1rank", "z3_2rank", "z1_1rank") if "universal: reusing" in logs[n]]
+    assert len(converted) == 1 and len(reused) == 2, (converted, reused)
+    root = runs["ref"] / "checkpoints"
+    u = root / "step_00000003_universal"
+    assert ckpt.is_complete(u)
+    assert (u / "zero" / "optimizer_state.pt").is_file()
+    # the copy is not a checkpoint tag: resume and export never pick it as "latest"
+    assert "step_00000003_universal" not in ckpt.complete_tags(root)
+    assert not list(root.glob(".*tmp*"))
+
+
+def test_a_crash_never_leaves_a_copy_that_looks_valid(runs, tmp_path):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(step_dir(runs["ref"], 2), root / "step_00000002")
+    # a crashed conversion's leftovers: a hidden temporary folder, and a copy of an older save;
+    # a conversion still running elsewhere (a live process) keeps its folder
+    host = socket.gethostname()
+    crashed = root / f".step_00000002_universal.tmp-{host}-{_dead_pid()}"
+    running = root / f".step_00000002_universal.tmp-{host}-{os.getppid()}"
+    for d in (crashed, running):
+        (d / "zero").mkdir(parents=True)
+    stale = root / "step_00000002_universal"
+    shutil.copytree(runs["ref"] / "checkpoints" / "step_00000003_universal", stale)
+    assert ensure(root, "step_00000002", log=lambda m: None) == "step_00000002_universal"
+    assert list(root.glob(".*tmp*")) == [running]
+    shutil.rmtree(running)
+    assert_same_state(root / "step_00000002", stale)  # re-made from step 2, not kept from 3
+
+    # a file of the copy changed on disk: found by its CRC and made again
+    f = stale / "zero" / "norm.weight" / "fp32.pt"
+    raw = bytearray(f.read_bytes())
+    raw[-40] ^= 0xFF
+    f.write_bytes(raw)
+    msgs = []
+    ensure(root, "step_00000002", log=msgs.append)
+    assert "converted" in msgs[0]
+    ckpt.verify(stale)
+
+    # a conversion that fails half way leaves nothing behind
+    shutil.rmtree(stale)
+    bad = root / "step_00000002" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    bad.write_bytes(b"not a checkpoint")
+    ckpt.write_listing(root / "step_00000002")  # re-seal, so only the conversion can notice
+    with pytest.raises(CheckpointError, match="unreadable"):
+        ensure(root, "step_00000002", log=lambda m: None)
+    assert not stale.exists() and not list(root.glob(".*tmp*"))
+
+
+def test_resume_rules_and_flag(runs, tiny_data, tmp_path, capsys):
+    saved = ckpt.load_trainer_state(runs["ref"] / "checkpoints", "step_00000003")
+    z2 = Topology("deepspeed", 2, 2)
+    assert plan(saved, z2, "auto") is False
+    assert plan(saved, z2, "always") is True
+    assert plan(saved, Topology("deepspeed", 1, 2), "auto") is True
+    assert plan(saved, Topology("deepspeed", 2, 3), "auto") is True
+    with pytest.raises(CheckpointError, match="ZeRO-0"):
+        plan(saved, Topology("deepspeed", 2, 0), "auto")
+    with pytest.raises(CheckpointError, match="--backend deepspeed"):
+        plan(saved, Topology("ddp", 2, 0), "auto")
+
+    # --universal never: one clear line, exit 2, before any process group
+    from training.train import main
+
+    src = str(step_dir(runs["ref"], 3))
+    argv = args(tiny_data, tmp_path / "r", "--resume", src, "--universal", "never")
+    code = main([*argv, "--ds_config", "ds_configs/zero3.json"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "saved on 2 ranks, ZeRO-2; this run is 1 rank, ZeRO-3" in err
+    assert "--universal never forbids" in err
+
+
+def test_manual_conversion_command(runs, tmp_path, capsys):
+    root = tmp_path / "run" / "checkpoints"
+    shutil.copytree(step_dir(runs["ref"], 5), root / "step_00000005")
+    assert universal.main([str(tmp_path / "run")]) == 0
+    assert "step_00000005_universal" in capsys.readouterr().out
+    assert_same_state(root / "step_00000005", root / "step_00000005_universal", tol=0)
+    listing = json.loads((root / "step_00000005_universal" / "complete.json").read_text())
+    assert listing["source_tag"] == "step_00000005"
+    assert universal.main([str(tmp_path / "run" / "7")]) == 2
+    assert "no checkpoint step_00000007" in capsys.readouterr().err

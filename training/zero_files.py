@@ -1,0 +1,256 @@
+"""Reading a DeepSpeed ZeRO checkpoint's optimizer files one parameter at a time.
+
+ZeRO-1/2 (and the pipeline engine, one set per stage) keep, per data-parallel rank, a slice of
+each parameter group's flat fp32 weights and Adam moments plus a map of where every parameter
+sits in it; ZeRO-3 keeps each parameter cut evenly across the ranks. `ZeroFiles` puts any
+parameter back together from either. The files are memory-mapped, and the pages under each
+piece go back to the kernel once it is copied out, so memory stays near one parameter whatever
+the model's size. The universal converter (training/universal.py) and export
+(training/weights.py) read checkpoints through it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from training.checkpoint import CheckpointError
+
+STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+_OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+_MODEL12 = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+_MODEL3 = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
+
+
+class ZeroFiles:
+    """The optimizer files of one DeepSpeed ZeRO checkpoint folder, read parameter by parameter.
+
+    Files are memory-mapped, and the pages of each parameter are handed back to the kernel once
+    it is copied out, so resident memory stays near one parameter whatever the model size."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        names = [p.name for p in self.folder.iterdir()]
+        optim = {}
+        for n in names:
+            if m := _OPTIM.fullmatch(n):
+                optim[(int(m.group(2)), int(m.group(1)))] = self.folder / n  # (mp, dp)
+        if not optim:
+            raise CheckpointError(
+                f"{self.folder}: no ZeRO optimizer files (*_optim_states.pt); ZeRO-0 checkpoints "
+                "have no partitioned state to convert"
+            )
+        self.mp = 1 + max(mp for mp, _ in optim)
+        self.dp = 1 + max(dp for _, dp in optim)
+        missing = [(m, d) for m in range(self.mp) for d in range(self.dp) if (m, d) not in optim]
+        if missing:
+            raise CheckpointError(f"{self.folder}: optimizer files of ranks {missing} are missing")
+        self.optim_files = [[optim[(m, d)] for d in range(self.dp)] for m in range(self.mp)]
+        z3 = sorted(n for n in names if _MODEL3.fullmatch(n))
+        self.stage = 3 if z3 else 2  # 1 and 2 share one file layout
+        if self.stage == 3:
+            self.model_files_by_mp = [
+                self.folder / f"zero_pp_rank_0_mp_rank_{m:02d}_model_states.pt"
+                for m in range(self.mp)
+            ]
+        else:
+            self.model_files_by_mp = [
+                self.folder / f"mp_rank_{m:02d}_model_states.pt" for m in range(self.mp)
+            ]
+        for f in self.model_files_by_mp:
+            if not f.is_file():
+                raise CheckpointError(f"{self.folder}: {f.name} is missing")
+        self._first = None
+
+    def params(self, keys=STATE_KEYS) -> Iterator[tuple[str, Mapping[str, torch.Tensor], object]]:
+        """Yield (name, states, step) for every trained parameter, in the order the model
+        declares them. `states[key]` (key: fp32, exp_avg or exp_avg_sq) gathers that state as a
+        full-shape fp32 tensor when asked, so only what is asked for is ever in memory."""
+        if self.stage == 3:
+            yield from self._params_stage3(keys)
+        else:
+            yield from self._params_stage12(keys)
+
+    def _params_stage12(self, keys):
+        done = set()
+        for mp in range(self.mp):
+            shapes = load_mapped(self.model_files_by_mp[mp])["param_shapes"]
+            sds = [load_mapped(f)["optimizer_state_dict"] for f in self.optim_files[mp]]
+            for g, group in enumerate(shapes):
+                flats = {k: [_flat(sd, g, k) for sd in sds] for k in keys}
+                step = sds[0]["base_optimizer_state"]["state"][g].get("step")
+                for name, shape in group.items():
+                    if name in done:  # a tied weight that an earlier pipeline stage also holds
+                        continue
+                    pieces = [
+                        (r, fa.start, fa.numel)
+                        for r, sd in enumerate(sds)
+                        if (fa := sd["param_slice_mappings"][g].get(name)) is not None
+                    ]
+                    numel = sum(n for _, _, n in pieces)
+                    if numel != math.prod(shape):
+                        raise CheckpointError(
+                            f"{self.folder}: {name} has {numel} of its {math.prod(shape)} "
+                            "elements in the optimizer files; the checkpoint is corrupt"
+                        )
+                    yield name, _States(flats, pieces, shape), step
+                    done.add(name)
+            del sds
+
+    def _params_stage3(self, keys):
+        shapes = load_mapped(self.model_files_by_mp[0])["param_shapes"]
+        sds = [load_mapped(f)["optimizer_state_dict"] for f in self.optim_files[0]]
+        world = len(sds)
+        for g, group in enumerate(shapes):
+            flats = {
+                k: [
+                    sd["fp32_flat_groups"][g]
+                    if k == "fp32"
+                    else sd["optimizer_state_dict"]["state"][g][k]
+                    for sd in sds
+                ]
+                for k in keys
+            }
+            step = sds[0]["optimizer_state_dict"]["state"][g].get("step")
+            offset = 0
+            for name, shape in group.items():
+                numel = math.prod(shape)
+                part = math.ceil(numel / world)  # each rank holds `part`, the last ones padded
+                if offset + part > min(f[0].numel() for f in flats.values()):
+                    raise CheckpointError(
+                        f"{self.folder}: {name} lies past the end of the optimizer files; "
+                        "the checkpoint is corrupt"
+                    )
+                sizes = [max(0, min(part, numel - r * part)) for r in range(world)]
+                pieces = [(r, offset, n) for r, n in enumerate(sizes)]
+                yield name, _States(flats, pieces, shape), step
+                offset += part
+
+    def global_state(self) -> dict:
+        """zero/optimizer_state.pt: what both loader families read besides the parameters."""
+        top = load_mapped(self.optim_files[0][0])
+        sd = top["optimizer_state_dict"]
+        if self.stage == 3:
+            inner = sd["optimizer_state_dict"]
+            out = {
+                k: v for k, v in sd.items() if k not in ("optimizer_state_dict", "fp32_flat_groups")
+            }
+        else:
+            inner = sd["base_optimizer_state"]
+            skip = (
+                "base_optimizer_state",
+                "single_partition_of_fp32_groups",
+                "param_slice_mappings",
+            )
+            out = {k: v for k, v in sd.items() if k not in skip}
+        step = inner["state"][0].get("step") if inner["state"] else None
+        out["param_groups"] = inner["param_groups"]  # ZeRO-1/2 reads these ...
+        out["optimizer_state_dict"] = {
+            "state": {0: {"step": step}},
+            "param_groups": inner["param_groups"],
+        }  # ... ZeRO-3 these
+        out.setdefault("ds_version", top.get("ds_version"))
+        return out
+
+
+class _States(Mapping):
+    """One parameter's optimizer states: key -> full tensor, gathered from the mapped files on
+    each access (pieces: (rank, start, numel) in each rank's flat tensor) and not kept."""
+
+    def __init__(self, flats: dict, pieces: list[tuple[int, int, int]], shape):
+        self._flats, self._pieces, self._shape = flats, pieces, shape
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        f = self._flats[key]
+        return _gather([f[r].narrow(0, start, n) for r, start, n in self._pieces]).view(self._shape)
+
+    def __iter__(self):
+        return iter(self._flats)
+
+    def __len__(self) -> int:
+        return len(self._flats)
+
+
+def _flat(sd: dict, group: int, key: str) -> torch.Tensor:
+    if key == "fp32":
+        return sd["single_partition_of_fp32_groups"][group]
+    return sd["base_optimizer_state"]["state"][group][key]
+
+
+def load_mapped(path: Path):
+    """torch.load(path) with the file memory-mapped (tensors are read when touched); an
+    unreadable file is a CheckpointError naming it."""
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # a truncated or foreign file: torch raises many kinds
+        raise CheckpointError(
+            f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from None
+    _MAPPED[os.path.realpath(path)] = None
+    _FILE_MAPS.clear()  # mappings change with every load: look again when asked
+    return obj
+
+
+_MAPPED: dict[str, None] = {}
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADV_DONTNEED = 4
+
+
+def _gather(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate mapped file pieces into a new tensor, then let the kernel drop their pages."""
+    out = torch.cat(pieces) if pieces else torch.empty(0)
+    for p in pieces:
+        drop_pages(p)
+    return out
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by Python and torch back to the OS (glibc keeps freed heap pages in
+    its arenas, where they still count as resident), so a later phase does not stack on top."""
+    gc.collect()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
+def drop_pages(t: torch.Tensor) -> None:
+    """Release the resident pages under `t`, which must view a read-only file mapping (a
+    torch.load(mmap=True) result): reading them again faults them back in from the file.
+
+    Without this, every page of a mapped checkpoint that was read stays in the process's RSS
+    until the file is closed, which is the whole checkpoint."""
+    if _LIBC is None or t.numel() == 0:
+        return
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    start -= start % _PAGE
+    end += -end % _PAGE
+    if _is_file_mapping(start):
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+_FILE_MAPS: list[tuple[int, int]] = []
+
+
+def _is_file_mapping(addr: int) -> bool:
+    """True when addr lies in a private file mapping of a checkpoint this module opened.
+    MADV_DONTNEED on anonymous memory would zero it, so never guess."""
+    for lo, hi in _FILE_MAPS:
+        if lo <= addr < hi:
+            return True
+    _FILE_MAPS.clear()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() in _MAPPED and parts[1].startswith("r"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                _FILE_MAPS.append((lo, hi))
+    return any(lo <= addr < hi for lo, hi in _FILE_MAPS)
