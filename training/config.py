@@ -156,6 +156,7 @@ def resolve(
         if flags.get(flag) is not None:
             cfg[key] = flags[flag]
 
+    _resolve_pipeline(cfg, flags, source)
     precision(cfg, source)  # refuses fp16 + bf16 together
     _check_combinations(cfg, source)
     stages = pipeline_stages(cfg)
@@ -185,6 +186,39 @@ def resolve(
         _set(cfg, path, autos[path])
 
     return cfg
+
+
+PIPELINE_PARTITIONS = ("parameters", "blocks", "uniform")
+
+
+def _resolve_pipeline(cfg: dict, flags: dict[str, Any], source: str) -> None:
+    """The "pipeline" section: stages (--pipeline-stages wins), how layers are split across them
+    (partition, --pipeline-partition wins) and the activation checkpoint interval in layers
+    (--activation-checkpointing means 1 when the config gives none)."""
+    pipe = dict(cfg.get("pipeline", {}))
+    if flags.get("pipeline_stages") is not None:
+        pipe["stages"] = flags["pipeline_stages"]
+    if flags.get("pipeline_partition") is not None:
+        pipe["partition"] = flags["pipeline_partition"]
+    if not pipe:
+        return
+    stages = pipe.get("stages", 1)
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ConfigError(f"{source}: pipeline.stages must be a positive integer, got {stages!r}")
+    if pipe.get("partition", "parameters") not in PIPELINE_PARTITIONS:
+        raise ConfigError(
+            f"{source}: pipeline.partition must be one of {', '.join(PIPELINE_PARTITIONS)}, "
+            f"got {pipe['partition']!r}"
+        )
+    interval = pipe.get("activation_checkpoint_interval", 0)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        raise ConfigError(
+            f"{source}: pipeline.activation_checkpoint_interval must be a whole number of "
+            f"layers (0: off), got {interval!r}"
+        )
+    if flags.get("activation_checkpointing") and stages > 1 and interval == 0:
+        pipe["activation_checkpoint_interval"] = 1
+    cfg["pipeline"] = pipe
 
 
 def _derive_batch(cfg: dict, dp: int, source: str) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from training import checkpoint
 from training.distributed import all_reduce_scalars
+from training.engines import data_parallel
 from training.evaluate import evaluate
 from training.metrics import peak_memory_bytes
 from training.schedule import lr_at
@@ -43,7 +44,8 @@ def run(
     """Train until settings.steps; returns the last evaluation."""
     device = dist.device
     seq_len = settings.seq_len
-    tokens_per_step = micro_batch * grad_accum * dist.world * seq_len
+    dp_rank, dp_world = data_parallel(engine, dist)
+    tokens_per_step = micro_batch * grad_accum * dp_world * seq_len
     ckpt_root = run_dir / "checkpoints"
     last_eval: dict = {}
 
@@ -67,8 +69,8 @@ def run(
             engine,
             val_dataset,
             micro_batch=micro_batch,
-            rank=dist.rank,
-            world=dist.world,
+            rank=dp_rank,
+            world=dp_world,
             max_samples=settings.eval_samples,
             device=device,
         )

@@ -70,6 +70,20 @@ def parser() -> argparse.ArgumentParser:
         help="torch.compile the model in place (fuses the elementwise work; first steps compile)",
     )
     a(
+        "--pipeline-stages",
+        type=int,
+        default=None,
+        help="overrides pipeline.stages (deepspeed: the model cut into this many stages; the "
+        "ranks left over are data-parallel replicas)",
+    )
+    a(
+        "--pipeline-partition",
+        choices=["parameters", "blocks", "uniform"],
+        default=None,
+        help="overrides pipeline.partition: balance the stages by parameters, by transformer "
+        "blocks, or by layer count",
+    )
+    a(
         "--precision",
         choices=["bf16", "fp16", "fp32"],
         default=None,
@@ -131,6 +145,8 @@ class Settings:
     keep_last: int
     activation_checkpointing: bool
     compile: bool
+    pipeline_stages: int | None
+    pipeline_partition: str | None
     precision: str | None
     stop_at: int | None
     resume: str
@@ -172,6 +188,7 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
             )
     if s.backend != "deepspeed" and config.pipeline_stages(ds_cfg) > 1:
         raise config.ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
+    _check_pipeline(s, model_cfg, config.pipeline_stages(ds_cfg), cfg_path)
     resume = checkpoint.resolve_resume(s.resume, Path(s.out))
     if resume is not None:
         resume = (*resume, _plan_resume(s, ds_cfg, world, rank, *resume))
@@ -199,6 +216,33 @@ def _plan_resume(s: Settings, ds_cfg: dict, world: int, rank: int, root: Path, t
             "not writable; copy the checkpoint somewhere writable and --resume from there"
         )
     return use
+
+
+def _check_pipeline(s: Settings, model_cfg, stages: int, cfg_path: str) -> None:
+    """Pipelining cuts our model (a preset, our folder or a Llama folder) between its blocks."""
+    from models import ModelError
+    from training.config import ConfigError
+
+    if stages <= 1:
+        return
+    kind = getattr(model_cfg, "model_type", "?")
+    if kind not in ("zerostack", "llama"):
+        raise ModelError(
+            f"--model {s.model}: pipelining needs our model (a preset, a zerostack folder or a "
+            f"Llama folder); this is a {kind!r} model, which cannot be cut into stages. Use a "
+            "non-pipeline config such as ds_configs/zero1.json"
+        )
+    if getattr(s, "compile", False):
+        raise ConfigError(
+            f"{cfg_path}: --compile does not reach the pipeline's stages (it compiles the whole "
+            "model); drop --compile or use a non-pipeline config"
+        )
+    blocks = model_cfg.num_hidden_layers
+    if stages > blocks:
+        raise ConfigError(
+            f"{cfg_path}: pipeline.stages={stages} is more than the model's {blocks} blocks; "
+            f"use at most {blocks} stages"
+        )
 
 
 def _model_config(spec: str, vocab_size: int):
@@ -243,7 +287,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     from training import checkpoint
     from training import config as C
     from training import distributed as D
-    from training.engines import build_engine
+    from training.engines import build_engine, data_parallel
     from training.loop import LoopState, run
     from training.metrics import RunLogger, peak_flops
 
@@ -291,6 +335,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         model.compile()  # in place: parameter names and checkpoints are unchanged
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     fpt = flops_per_token(model.config, s.seq_len, n_params=n_params)
+    model_config = model.config
 
     precision = s.precision or C.precision(ds_cfg)
     engine = build_engine(
@@ -301,6 +346,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         device=dist.device,
         **({} if s.backend == "deepspeed" else {"precision": precision}),
     )
+    del model  # the pipeline engine keeps only its stage's layers: free the rest
 
     if (
         s.backend == "deepspeed"
@@ -317,7 +363,8 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     accum = ds_cfg["gradient_accumulation_steps"]
     train_ds = TokenDataset(s.data, "train", s.seq_len)
     val_ds = TokenDataset(s.data, "val", s.seq_len)
-    loader = BatchLoader(train_ds, micro, dist.rank, dist.world, s.seed)
+    dp_rank, dp_world = data_parallel(engine, dist)  # pipeline stages of a replica share data
+    loader = BatchLoader(train_ds, micro, dp_rank, dp_world, s.seed)
     state = LoopState()
 
     if resume is not None:
@@ -340,7 +387,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         "flags": vars(s),
         "ds_config_file": cfg_path,
         "ds_config": ds_cfg,
-        "model_config": model.config.to_dict(),
+        "model_config": model_config.to_dict(),
         "n_params": n_params,
         "flops_per_token": fpt,
         "data": {
@@ -349,6 +396,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
             "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None),
         },
         "world": dist.world,
+        "pipeline": _pipeline_info(engine),
         "backend": dist.backend,
         "device": str(dist.device),
         "precision": precision,
@@ -372,7 +420,12 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         logger.console(
             f"zerostack: {s.backend} | {Path(cfg_path).name} | ZeRO-{stage} | {precision} | "
             f"world {dist.world} ({dist.backend}) | model {s.model} {n_params / 1e6:.2f}M params | "
-            f"batch {micro}x{accum}x{dist.world}x{s.seq_len} tokens"
+            f"batch {micro}x{accum}x{dp_world}x{s.seq_len} tokens"
+            + (
+                f" | pipeline {engine.stages} stages x {dp_world} data-parallel"
+                if hasattr(engine, "stages")
+                else ""
+            )
             + (f" | resumed from {resume[1]}" if resume else "")
             + (f" (universal: saved on {_saved_topology(resume)})" if resume and resume[2] else "")
         )
@@ -402,7 +455,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
                 "model": s.model,
                 "data_dir": str(Path(s.data).resolve()),
                 "seq_len": s.seq_len,
-                "model_config": model.config.to_dict(),
+                "model_config": model_config.to_dict(),
             },
         )
     if dist.is_main and last_eval:
@@ -416,6 +469,12 @@ def _saved_topology(resume) -> str:
     from training import checkpoint, universal
 
     return str(universal.Topology.of_checkpoint(checkpoint.load_trainer_state(*resume[:2])))
+
+
+def _pipeline_info(engine) -> dict | None:
+    if not hasattr(engine, "layout"):
+        return None
+    return {"stages": engine.stages, "data_parallel": engine.dp_world, "layers": engine.layout()}
 
 
 def _versions() -> dict:

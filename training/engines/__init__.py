@@ -2,15 +2,20 @@
 same small interface:
 
     module                      the unwrapped model (for export, generate, FLOPs)
-    forward_backward(x, y, boundary) -> loss   one micro-batch; grads reduced only on boundary
+    forward_backward(x, y, boundary) -> loss   one micro-batch; grads reduced only on boundary.
+                                The loss returned sums the micro-batches this call completed
+                                (the pipeline engine completes the whole step on the boundary)
     step() -> StepResult        optimizer step with clipping (after the last micro-batch)
     set_lr(lr)                  the schedule's value for this step
     eval_loss(x, y) -> loss     no-grad forward
     save(root, tag, client)     write this engine's files for checkpoint `tag` (all ranks call)
     load(root, tag)             restore them (all ranks call)
     train() / eval()
+    dp_rank, dp_world           optional: this rank's data-parallel replica and their number,
+                                when they differ from rank and world (pipelining)
 
-They differ only where the engines differ: DeepSpeed, DDP, FSDP2.
+They differ only where the engines differ: DeepSpeed, DDP, FSDP2; the DeepSpeed pipeline engine
+(training/engines/pipeline.py) when the config asks for pipeline stages.
 """
 
 from __future__ import annotations
@@ -26,7 +31,12 @@ class StepResult:
 
 
 def build_engine(kind: str, **kwargs):
-    """kind: 'deepspeed', 'ddp' or 'fsdp'."""
+    """kind: 'deepspeed', 'ddp' or 'fsdp'; a DeepSpeed config with pipeline.stages > 1 gets
+    the pipeline engine."""
+    if kind == "deepspeed" and kwargs["ds_config"].get("pipeline", {}).get("stages", 1) > 1:
+        from training.engines.pipeline import PipelineEngine
+
+        return PipelineEngine(**kwargs)
     if kind == "deepspeed":
         from training.engines.ds import DeepSpeedEngine
 
@@ -40,3 +50,9 @@ def build_engine(kind: str, **kwargs):
 
         return FSDPEngine(**kwargs)
     raise ValueError(f"unknown backend {kind!r}; choose deepspeed, ddp or fsdp")
+
+
+def data_parallel(engine, dist) -> tuple[int, int]:
+    """(replica, replicas): what shards the data. Every rank is its own replica, except under
+    pipelining, where the stages of one replica read the same batches."""
+    return getattr(engine, "dp_rank", dist.rank), getattr(engine, "dp_world", dist.world)

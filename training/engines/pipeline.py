@@ -1,0 +1,104 @@
+"""DeepSpeed's pipeline engine: our model cut into stages (`models/pipeline.py`), ZeRO-0/1 across
+the data-parallel replicas that remain (world = stages x dp).
+
+`PipelineEngine.train_batch` runs a whole step at once (every micro-batch through every stage,
+then the optimizer step), so this engine buffers the loop's micro-batches and runs the step on
+the boundary. Everything else (lr, save, load) is the plain DeepSpeed engine's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models import build_pipeline_module, model_state_dict_to_pipeline
+from models.pipeline import BlockPipe
+from training.engines import StepResult
+from training.engines.ds import DeepSpeedEngine
+
+# Our names for DeepSpeed's partition methods (pipeline.partition in the config).
+PARTITIONS = {
+    "parameters": "parameters",  # balance parameter counts
+    "blocks": f"type:{BlockPipe.__name__}",  # balance transformer blocks
+    "uniform": "uniform",  # balance layer counts
+}
+
+
+class PipelineEngine(DeepSpeedEngine):
+    name = "pipeline"
+
+    def __init__(self, *, model, ds_config: dict, settings, device: torch.device):
+        """model: the whole ZeroStackForCausalLM, built from the seed (or a folder) on every rank.
+        Each rank keeps only its stage's layers, with exactly the whole model's initial weights."""
+        pipe_cfg = ds_config.get("pipeline", {})
+        pipe = build_pipeline_module(
+            model.config,
+            num_stages=int(pipe_cfg["stages"]),
+            partition_method=PARTITIONS[pipe_cfg.get("partition", "parameters")],
+            activation_checkpoint_interval=int(pipe_cfg.get("activation_checkpoint_interval", 0)),
+        )
+        full = model_state_dict_to_pipeline(model.state_dict(), model.config)
+        pipe.load_state_dict({name: full[name] for name in pipe.state_dict()})
+        self.config = model.config
+        self.config = model.config
+        super().__init__(model=pipe, ds_config=ds_config, settings=settings, device=device)
+        grid = self.engine.grid
+        self.stage = grid.get_stage_id()
+        self.stages = grid.get_pipe_parallel_world_size()
+        self.dp_rank = grid.get_data_parallel_rank()
+        self.dp_world = grid.get_data_parallel_world_size()
+        self.micro_batches = self.engine.micro_batches
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def layout(self) -> list[list[str]]:
+        """Layer class names per stage, e.g. [[EmbeddingPipe, BlockPipe], [BlockPipe, ...]]."""
+        specs, parts = self.engine.module._layer_specs, self.engine.module.parts
+        return [
+            [spec.typename.__name__ for spec in specs[parts[s] : parts[s + 1]]]
+            for s in range(self.stages)
+        ]
+
+    def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
+        """Buffers (x, y); on the boundary runs the whole step (every micro-batch, the reduction
+        and the optimizer step) and returns the sum of the step's micro-batch losses, averaged
+        over the data-parallel replicas; before the boundary it returns 0. So the loop's running
+        sum and count still give the mean over micro-batches, as for the other engines."""
+        self._pending.append((x, y))
+        if not boundary:
+            return torch.zeros((), device=self.device)
+        batches, self._pending = self._pending, []
+        if len(batches) != self.micro_batches:
+            raise RuntimeError(
+                f"the pipeline step needs {self.micro_batches} micro-batches, got {len(batches)}"
+            )
+        # The first stage reads x, the last reads y; the middle stages read neither.
+        mean = self.engine.train_batch(iter(batches))
+        return mean.detach().float().reshape(()) * len(batches)
+
+    def step(self) -> StepResult:
+        # train_batch has already stepped; report what it did.
+        norm = self.engine.get_global_grad_norm()
+        if isinstance(norm, torch.Tensor):
+            norm = norm.item()
+        return StepResult(
+            None if norm is None or not torch.isfinite(torch.tensor(norm)) else float(norm),
+            not self.engine.was_step_applied(),
+        )
+
+    def set_master_weights(self, weights) -> int:
+        """The DeepSpeed engine's, for (name, tensor) under the model's names: each stage sets
+        the fp32 masters of its own layers."""
+
+        def renamed():
+            for name, value in weights:
+                yield from model_state_dict_to_pipeline({name: value}, self.config).items()
+
+        return super().set_master_weights(renamed())
+
+    @torch.no_grad()
+    def eval_loss(self, x, y) -> torch.Tensor:
+        """Every rank calls with its replica's batch; returns that batch's loss averaged over the
+        data-parallel replicas, on every stage."""
+        loss = self.engine.eval_batch(iter([(x, y)]), num_micro_batches=1)
+        return loss.detach().float().reshape(())
