@@ -9,6 +9,7 @@ the boundary. Everything else (lr, save, load) is the plain DeepSpeed engine's.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -16,6 +17,12 @@ from models import build_pipeline_module, model_state_dict_to_pipeline
 from models.pipeline import BlockPipe
 from training.engines import StepResult
 from training.engines.ds import DeepSpeedEngine
+
+# Without send/recv (gloo), DeepSpeed passes activations between stages by broadcasting the
+# sender's own output tensor, which leaves a broadcast_ node in its graph. It does not change the
+# values, so backward through it is the identity that torch warns it assumes: correct, and checked
+# against the unpipelined model by tests/test_pipeline.py.
+warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
 
 # Our names for DeepSpeed's partition methods (pipeline.partition in the config).
 PARTITIONS = {
