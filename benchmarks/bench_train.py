@@ -39,7 +39,11 @@ def run_config(name: str, a, out_root: Path) -> dict:
            f"ds_configs/{name}.json", "--data", a.data, "--model", a.model, "--out", str(out),
            "--seq-len", str(a.seq_len), "--micro-batch", str(a.micro_batch), "--steps",
            str(a.steps), "--log-every", str(a.log_every), "--eval-every", "0", "--eval-samples",
-           "16", "--save-every", "-1", "--resume", "never", *a.extra]
+           "16", "--save-every", "-1", "--resume", "never"]
+    stages = json.loads((REPO / "ds_configs" / f"{name}.json").read_text()).get("pipeline", {})
+    if stages.get("stages", 1) > 1:  # ranks / stages replicas: as many micro-batches per step
+        cmd += ["--grad-accum", str(stages["stages"])]  # keep the same global batch
+    cmd += a.extra
     t = time.time()
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if p.returncode != 0:
