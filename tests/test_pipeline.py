@@ -44,12 +44,13 @@ def train(data, out, *extra, nproc=2):
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     """Global batch 8 sequences everywhere: ZeRO-0 on 1 rank as 4 micro-batches of 2; pp=2 on
-    2 ranks as the config's 4 micro-batches of 2 through both stages (checkpoints at 3 and 6)."""
+    2 ranks as the config's 4 micro-batches of 2 through both stages (evaluated and saved at steps
+    3 and 6)."""
     base = tmp_path_factory.mktemp("pipeline")
     zero0 = ["--ds_config", "ds_configs/zero0.json", "--grad-accum", "4", "--save-every", "-1"]
     return {
         "zero0": train(tiny_data, base / "zero0", *zero0, nproc=1),
-        "pp2": train(tiny_data, base / "pp2", *PIPE, "--save-every", "3"),
+        "pp2": train(tiny_data, base / "pp2", *PIPE, "--save-every", "3", "--eval-every", "3"),
     }
 
 
@@ -86,22 +87,24 @@ def test_pp2_follows_zero0_on_one_rank(runs):
 
 def test_pp2_resume_is_exact(runs, tiny_data, tmp_path):
     split = tmp_path / "split"
-    train(tiny_data, split, *PIPE, "--save-every", "0", "--stop-at", "3")
+    args = [*PIPE, "--save-every", "0", "--eval-every", "3"]
+    train(tiny_data, split, *args, "--stop-at", "3")
     saved = json.loads((split / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
     assert saved["pipeline_stages"] == 2 and saved["backend"] == "deepspeed"
     assert sorted(p.name for p in (split / "checkpoints" / "step_00000003").glob("layer_*")) == [
         f"layer_0{i}-model_states.pt"
         for i in range(4)  # the tied head is saved once, as layer 0
     ]
-    train(tiny_data, split, *PIPE, "--save-every", "0")
+    train(tiny_data, split, *args)
     a, b = read_metrics(runs["pp2"]), read_metrics(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bitwise on CPU
     assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
-    assert (
-        read_metrics(runs["pp2"], "eval")[-1]["val_loss"]
-        == read_metrics(split, "eval")[-1]["val_loss"]
-    )
+    # Evaluation mid-run (eval_batch between train_batch calls) leaves training as it was.
+    evals = [(r["step"], r["val_loss"]) for r in read_metrics(runs["pp2"], "eval")]
+    assert len(evals) == 2 and evals == [
+        (r["step"], r["val_loss"]) for r in read_metrics(split, "eval")
+    ]
 
 
 def test_pp2_x_dp2_on_four_ranks_trains_matches_and_exports(runs, tiny_data, tmp_path):
@@ -212,3 +215,8 @@ def test_unknown_partition_is_refused(capsys, monkeypatch, tmp_path, base):
     (tmp_path / "p.json").write_text(json.dumps(cfg))
     err = refused(capsys, monkeypatch, tmp_path, [*base, "--ds_config", str(tmp_path / "p.json")])
     assert "pipeline.partition must be one of parameters, blocks, uniform" in err
+
+
+def test_compile_with_pipelining_is_refused(capsys, monkeypatch, tmp_path, base):
+    err = refused(capsys, monkeypatch, tmp_path, [*base, *PIPE, "--compile"])
+    assert "--compile does not reach the pipeline's stages" in err
