@@ -232,7 +232,7 @@ def _check_pipeline(s: Settings, model_cfg, stages: int, cfg_path: str) -> None:
             f"Llama folder); this is a {kind!r} model, which cannot be cut into stages. Use a "
             "non-pipeline config such as ds_configs/zero1.json"
         )
-    if getattr(s, "compile", False):
+    if s.compile:
         raise ConfigError(
             f"{cfg_path}: --compile does not reach the pipeline's stages (it compiles the whole "
             "model); drop --compile or use a non-pipeline config"

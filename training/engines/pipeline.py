@@ -48,7 +48,6 @@ class PipelineEngine(DeepSpeedEngine):
         full = model_state_dict_to_pipeline(model.state_dict(), model.config)
         pipe.load_state_dict({name: full[name] for name in pipe.state_dict()})
         self.config = model.config
-        self.config = model.config
         super().__init__(model=pipe, ds_config=ds_config, settings=settings, device=device)
         grid = self.engine.grid
         self.stage = grid.get_stage_id()
@@ -88,9 +87,11 @@ class PipelineEngine(DeepSpeedEngine):
         norm = self.engine.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
             norm = norm.item()
+        scale = getattr(self.engine.optimizer, "cur_scale", None)
         return StepResult(
-            None if norm is None or not torch.isfinite(torch.tensor(norm)) else float(norm),
+            None if norm is None or not math.isfinite(norm) else float(norm),
             not self.engine.was_step_applied(),
+            float(scale) if self.engine.fp16_enabled() and scale is not None else None,
         )
 
     def set_master_weights(self, weights) -> int:
