@@ -164,6 +164,49 @@ def test_pp2_x_dp2_on_four_ranks_trains_matches_and_exports(runs, tiny_data, tmp
     assert close(sum(losses) / len(losses), ran, 1e-3), (losses, ran)
 
 
+def test_fp32_pipeline_exports_from_layer_files_and_imports_exactly(tiny_data, tmp_path):
+    """fp32 without ZeRO keeps its weights in the per-layer files only: export reads them, and
+    the export is exact (fp32 end to end). A bf16 ZeRO-1 pipeline run started from that folder
+    keeps its fp32 weights as fp32 masters (each stage sets its own), not their bf16 copy."""
+    from safetensors.torch import load_file
+
+    from training.export import main as export_main
+
+    cfg = json.loads((REPO / "ds_configs" / "pipeline.json").read_text())
+    del cfg["bf16"], cfg["data_types"]
+    cfg["zero_optimization"]["stage"] = 0
+    (tmp_path / "fp32_pipe.json").write_text(json.dumps(cfg))
+    fp32_cfg = ["--ds_config", str(tmp_path / "fp32_pipe.json"), "--steps", "2"]
+    fp32 = train(tiny_data, tmp_path / "fp32", *fp32_cfg)
+    step = fp32 / "checkpoints" / "step_00000002"
+    assert not list(step.glob("*optim_states.pt")) and list(step.glob("layer_*"))
+    assert export_main([str(fp32), "--out", str(tmp_path / "hf_fp32")]) == 0
+
+    from transformers import AutoModelForCausalLM
+
+    from data import TokenDataset, eval_batches
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_fp32").eval()
+    val = TokenDataset(tiny_data, "val", 64)
+    with torch.no_grad():
+        losses = [
+            F.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
+            for x, y in eval_batches(val, 2, 0, 1, max_samples=8)
+        ]
+    assert close(sum(losses) / len(losses), read_metrics(fp32, "eval")[-1]["val_loss"], 1e-5)
+
+    # One step at a learning rate too small to move an fp32 weight, then export again.
+    imported = tmp_path / "imported"
+    common = [*PIPE, "--model", str(tmp_path / "hf_fp32"), "--steps", "1", "--lr", "1e-12"]
+    train(tiny_data, imported, *common, "--save-every", "0")
+    assert export_main([str(imported), "--out", str(tmp_path / "hf_back")]) == 0
+    a = load_file(tmp_path / "hf_fp32" / "model.safetensors")
+    b = load_file(tmp_path / "hf_back" / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    # bf16 masters would be off by up to ~1e-4 here
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-8
+
+
 # ------------------------------------------------------------------------------ guardrails
 @pytest.fixture
 def base(tiny_data, tmp_path):

@@ -39,7 +39,22 @@ def iter_weights(
         for name, states, _ in ZeroFiles(folder).params(("fp32",)):
             yield from rename(name, states["fp32"])
         return
+    if state.get("pipeline_stages", 1) > 1:  # no ZeRO files (fp32): the layer files hold them
+        yield from _pipeline_layer_weights(folder, config)
+        return
     yield from _zero0_weights(folder, config)
+
+
+def _pipeline_layer_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+    """A pipeline checkpoint's `layer_XX-model_states.pt` files (the tied head is saved once,
+    as the embedding's layer), under the model's names."""
+    from models import pipeline_state_dict_to_model
+    from training.zero_files import load_mapped
+
+    for f in sorted(folder.glob("layer_*-model_states.pt")):
+        idx = int(f.name[len("layer_") :].split("-")[0])
+        layer = {f"{idx}.{k}": v.float() for k, v in load_mapped(f).items()}
+        yield from pipeline_state_dict_to_model(layer, config).items()
 
 
 def _pipeline_renamer(state: dict, config):
