@@ -82,6 +82,15 @@ def all_reduce_scalars(values: list[float], device: torch.device, op: str = "mea
     return t.tolist()
 
 
+def all_gather_object(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj, src: int = 0):
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from training import checkpoint
-from training.distributed import all_reduce_scalars
+from training.distributed import all_gather_object, all_reduce_scalars
 from training.engines import data_parallel
 from training.evaluate import evaluate
 from training.metrics import peak_memory_bytes
@@ -76,7 +76,28 @@ def run(
         )
         logger.log({"kind": "eval", "step": state.step, **last_eval})
 
+    def log_state_bytes():
+        # Once per run, after the first micro-step's backward of a step that is not the run's
+        # first: optimizer states exist (torch's AdamW makes them in its first step) and the
+        # gradients are held as they accumulate (at the boundary DeepSpeed's ZeRO-1 has already
+        # partitioned its gradients, so only a non-boundary micro-step shows what it keeps).
+        per_rank = all_gather_object(engine.state_bytes())
+        worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+        logger.log(
+            {
+                "kind": "state_bytes",
+                "step": state.step + 1,
+                **{f"{k}_bytes": v for k, v in worst.items()},
+                "per_rank": per_rank,
+            }
+        )
+        logger.console(
+            "model states per rank (max over ranks): "
+            + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in worst.items())
+        )
+
     engine.train()
+    state_logged = False
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)  # no host sync per step
     n_loss, t_last, steps_since = 0, time.perf_counter(), 0
     while state.step < settings.steps:
@@ -97,6 +118,11 @@ def run(
             )
             loss_sum += loss.float()
             n_loss += 1
+            if not state_logged and state.step >= 1:
+                t0 = time.perf_counter()
+                log_state_bytes()
+                state_logged = True
+                t_last += time.perf_counter() - t0  # keep the count out of tokens/s
         result = engine.step()
         state.step += 1
         state.tokens += tokens_per_step

@@ -84,6 +84,24 @@ def parser() -> argparse.ArgumentParser:
         "blocks, or by layer count",
     )
     a(
+        "--fsdp-reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fsdp: free each block's gathered weights after its forward and gather them again "
+        "for backward (less memory, one more all-gather per block)",
+    )
+    a(
+        "--fsdp-cpu-offload",
+        action="store_true",
+        help="fsdp: keep parameter shards, gradients and the optimizer step in host memory",
+    )
+    a(
+        "--ddp-bucket-mb",
+        type=float,
+        default=None,
+        help="ddp: gradient all-reduce bucket size in MB (default 25)",
+    )
+    a(
         "--precision",
         choices=["bf16", "fp16", "fp32"],
         default=None,
@@ -147,6 +165,9 @@ class Settings:
     compile: bool
     pipeline_stages: int | None
     pipeline_partition: str | None
+    fsdp_reshard_after_forward: bool
+    fsdp_cpu_offload: bool
+    ddp_bucket_mb: float | None
     precision: str | None
     stop_at: int | None
     resume: str
@@ -189,6 +210,15 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
     if s.backend != "deepspeed" and config.pipeline_stages(ds_cfg) > 1:
         raise config.ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
     _check_pipeline(s, model_cfg, config.pipeline_stages(ds_cfg), cfg_path)
+    for flag, given, needs in (
+        ("--no-fsdp-reshard-after-forward", not s.fsdp_reshard_after_forward, "fsdp"),
+        ("--fsdp-cpu-offload", s.fsdp_cpu_offload, "fsdp"),
+        ("--ddp-bucket-mb", s.ddp_bucket_mb is not None, "ddp"),
+    ):
+        if given and s.backend != needs:
+            raise config.ConfigError(f"{flag} needs --backend {needs} (got --backend {s.backend})")
+    if s.ddp_bucket_mb is not None and s.ddp_bucket_mb <= 0:
+        raise config.ConfigError(f"--ddp-bucket-mb must be positive, got {s.ddp_bucket_mb}")
     resume = checkpoint.resolve_resume(s.resume, Path(s.out))
     if resume is not None:
         resume = (*resume, _plan_resume(s, ds_cfg, world, rank, *resume))

@@ -9,6 +9,7 @@ import deepspeed
 import torch
 
 from training.engines import StepResult
+from training.memory import state_bytes
 from training.optim import adamw, param_groups
 
 
@@ -80,6 +81,11 @@ class DeepSpeedEngine:
 
     def eval(self) -> None:
         self.engine.eval()
+
+    def state_bytes(self) -> dict[str, int]:
+        # engine.optimizer is DeepSpeed's wrapper: its flat partitions, buckets and the inner
+        # optimizer's states are all reachable from it.
+        return state_bytes(self.engine.module, self.engine.optimizer)
 
     def save(self, root, tag: str, client_state: dict) -> None:
         # universal_checkpoint_info is what ds_to_universal needs to convert ZeRO-1/2 files.

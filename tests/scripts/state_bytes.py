@@ -1,0 +1,75 @@
+"""Model-state bytes per rank of each engine, measured in one torchrun process group.
+
+    torchrun --nproc_per_node 2 tests/scripts/state_bytes.py DATA_DIR MODEL_DIR OUT.json ENGINE...
+
+ENGINE is ddp, fsdp or a ds_configs name (zero0 ... zero3). For each, in turn: the trainer's own
+config rule, model factory and engine, 2 micro-batches per step; `engine.state_bytes()` after
+the first micro-batch of the second step, where the training loop measures (training/loop.py). Rank 0 writes {engine: [rank 0, rank 1, ...]}.
+Building the engines in one process saves the ~10 s start-up of a run per engine.
+"""
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from data import load_manifest  # noqa: E402
+from models import build_model  # noqa: E402
+from training import config as C  # noqa: E402
+from training import distributed as D  # noqa: E402
+from training.engines import build_engine  # noqa: E402
+from training.train import REPO, Settings, parser  # noqa: E402
+
+
+def measure(name: str, data: str, model_dir: str, dist) -> dict:
+    backend = name if name in ("ddp", "fsdp") else "deepspeed"
+    cfg_file = REPO / "ds_configs" / ("zero0.json" if backend != "deepspeed" else f"{name}.json")
+    argv = ["--backend", backend, "--data", data, "--out", "unused"]
+    s = Settings(**vars(parser().parse_args([*argv, "--micro-batch", "1", "--grad-accum", "2"])))
+    manifest = load_manifest(data)
+    model_cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    ds_cfg = C.resolve(
+        C.load_json(cfg_file), world=dist.world, flags=vars(s), hidden_size=model_cfg["hidden_size"]
+    )
+    torch.manual_seed(0)
+    stage = C.zero_stage(ds_cfg)
+    model = build_model(
+        model_dir,
+        vocab_size=manifest.vocab_size,
+        zero3_config=ds_cfg if backend == "deepspeed" and stage == 3 else None,
+    )
+    extra = {} if backend == "deepspeed" else {"precision": C.precision(ds_cfg)}
+    engine = build_engine(
+        backend, model=model, ds_config=ds_cfg, settings=s, device=dist.device, **extra
+    )
+    x = torch.randint(0, manifest.vocab_size, (1, 32))
+    for step in range(2):
+        engine.forward_backward(x, x, boundary=False)
+        if step == 1:  # where the training loop measures: see training/loop.py
+            out = engine.state_bytes()
+        engine.forward_backward(x, x, boundary=True)
+        engine.step()
+    del engine, model
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    data, model_dir, out_path, *engines = sys.argv[1:]
+    dist = D.setup()
+    results = {}
+    for name in engines:
+        results[name] = D.all_gather_object(measure(name, data, model_dir, dist))
+    if dist.is_main:
+        Path(out_path).write_text(json.dumps(results, indent=1))
+    D.teardown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,125 @@
+"""What the two native-PyTorch engines (DDP, FSDP2) share: precision, accumulation, clipping,
+the optimizer step and its skip rule. Each subclass only wraps the model, says how a micro-step
+skips gradient sync, and reads and writes its checkpoint files."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from training.engines import StepResult
+from training.memory import state_bytes
+from training.optim import adamw, param_groups
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class NativeEngine:
+    """Subclasses wrap the model in `_wrap` and implement `save` and `load`."""
+
+    name = "native"
+
+    def __init__(self, *, model, ds_config: dict, settings, device: torch.device, precision: str):
+        if precision not in DTYPES:
+            raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
+        self.device = device
+        self.precision = precision
+        self.dtype = DTYPES[precision]
+        # The same keys DeepSpeed reads: accumulation divides the loss, clipping bounds the norm.
+        self.grad_accum = int(ds_config["gradient_accumulation_steps"])
+        self.grad_clip = float(ds_config.get("gradient_clipping") or 0.0)
+        self.model = self._wrap(model.to(device), settings)
+        self.optimizer = adamw(
+            param_groups(self.module, settings.weight_decay),
+            lr=settings.lr,
+            betas=(settings.beta1, settings.beta2),
+            eps=settings.eps,
+            device_type=device.type,
+        )
+        # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range and do not.
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+    # --- what subclasses provide ---------------------------------------------------------
+    def _wrap(self, model, settings):
+        raise NotImplementedError
+
+    def _no_sync(self):
+        """The context of a non-boundary micro-step (DDP: accumulate without reducing)."""
+        return contextlib.nullcontext()
+
+    def _autocast(self):
+        """Mixed precision of the forward pass (FSDP2 casts parameters itself instead)."""
+        return contextlib.nullcontext()
+
+    # --- the engine interface (see training/engines/__init__.py) --------------------------
+    @property
+    def module(self):
+        return self.model
+
+    def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
+        with contextlib.nullcontext() if boundary else self._no_sync():
+            with self._autocast():
+                loss = self.model(input_ids=x, labels=y, shift_labels=y).loss
+            # Mean over the accumulated micro-batches, as DeepSpeed's engine.backward does.
+            scaled = loss / self.grad_accum
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        return loss.detach()
+
+    def step(self) -> StepResult:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+            self._agree_on_overflow()
+        norm = self._clip(params)
+        if self.scaler:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skips the update on inf/nan
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale
+        else:
+            skipped = not math.isfinite(norm)
+            if not skipped:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(
+            norm if math.isfinite(norm) else None,
+            skipped,
+            self.scaler.get_scale() if self.scaler else None,
+        )
+
+    def _clip(self, params) -> float:
+        """The global gradient norm before clipping (clipped to grad_clip when it is set)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a norm over sharded DTensor gradients
+            norm = norm.full_tensor()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=True)
+        return norm.item()
+
+    def _agree_on_overflow(self) -> None:
+        # With sharded gradients each rank sees only its shard's inf/nan: all must skip together.
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            for found in self.scaler._found_inf_per_device(self.optimizer).values():
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @torch.no_grad()
+    def eval_loss(self, x, y) -> torch.Tensor:
+        with self._autocast():
+            return self.model(input_ids=x, labels=y, shift_labels=y).loss.detach()
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def state_bytes(self) -> dict[str, int]:
+        return state_bytes(self.module, self.optimizer, self.scaler)
