@@ -13,6 +13,7 @@ group, for export.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -94,5 +95,7 @@ def load_full_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         for key, m in meta.items()
         if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
-    dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # "no process group: loading in one process" is the point
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
     return {k: v.float() for k, v in model.items()}

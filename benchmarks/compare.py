@@ -1,0 +1,413 @@
+"""One short job under every engine: DDP, FSDP2 and each ds_config, compared on the same work.
+
+    python -m benchmarks.compare                      # the default job: `small` on pystdlib
+    python -m benchmarks.compare --steps 10 --engines ddp,fsdp,zero2 --out /tmp/cmp
+
+Every engine trains the same preset on the same data with the same global batch, steps, seed and
+schedule, each as a real multi-rank run of training/train.py under torchrun. A few-line
+nanoGPT-style DDP loop of the same model (`reference`, below) runs beside them as the speed
+reference. Writes OUT/comparison.md (tokens/s, MFU, peak memory per rank, model-state bytes per
+rank, final train and validation loss, and ZeRO-2 in bf16 against fp32), OUT/comparison_memory.png
+and OUT/comparison_loss.png. Timings are medians over the steps after warm-up; other jobs on the
+machine move them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+NATIVE = ["ddp", "fsdp"]
+WARMUP_STEPS = 3  # steps left out of tokens/s (allocation, first-step setup, op caches)
+FLOORS = [("ddp", "reference", 0.95), ("zero2", "ddp", 0.95)]  # (run, against, at least x)
+
+
+def ds_config_names() -> list[str]:
+    return sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(a, script: str, args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.ranks)]
+    cmd += ["--master_port", str(_port()), script, *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+
+
+# ------------------------------------------------------------------------------ the runs
+def job_flags(a) -> list[str]:
+    """The train.py flags every engine shares: the same work."""
+    return [
+        *("--data", str(a.data), "--model", a.model, "--seq-len", str(a.seq_len)),
+        *("--micro-batch", str(a.micro_batch), "--grad-accum", str(a.grad_accum)),
+        *("--steps", str(a.steps), "--seed", str(a.seed), "--lr", str(a.lr)),
+        *("--warmup", str(max(1, a.steps // 10)), "--log-every", "1", "--eval-every", "0"),
+        *("--eval-samples", str(a.eval_samples), "--save-every", "-1", "--resume", "never"),
+    ]
+
+
+def engine_flags(name: str) -> list[str]:
+    if name in NATIVE:
+        return ["--backend", name]
+    return ["--ds_config", f"ds_configs/{name}.json"]
+
+
+def run_engine(name: str, a) -> dict:
+    out = Path(a.runs) / name
+    t = time.time()
+    p = _torchrun(a, "training/train.py", [*job_flags(a), *engine_flags(name), "--out", str(out)])
+    if p.returncode != 0:
+        err = [x for x in (p.stderr + p.stdout).splitlines() if x.startswith("error: ")]
+        reason = err[0][len("error: ") :] if err else f"exit {p.returncode}"
+        if not err:
+            print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
+        return {"name": name, "error": reason}
+    return {**summarize(out, name), "wall_s": time.time() - t}
+
+
+def summarize(run_dir: Path, name: str) -> dict:
+    """A finished run folder -> its row: speed, memory, model states, losses, loss curve."""
+    recs = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    timed = train[WARMUP_STEPS:] or train
+    states = next((r for r in recs if r["kind"] == "state_bytes"), {})
+    evals = [r for r in recs if r["kind"] == "eval"]
+    resolved = json.loads((Path(run_dir) / "resolved_config.json").read_text())
+    return {
+        "name": name,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "mfu": statistics.median(r["mfu"] for r in timed),
+        "peak_mem_gb": max(r["peak_mem_gb"] for r in train),
+        "states": {k[: -len("_bytes")]: v for k, v in states.items() if k.endswith("_bytes")},
+        "loss": train[-1]["loss"],
+        "val_loss": evals[-1]["val_loss"] if evals else None,
+        "curve": [(r["step"], r["loss"]) for r in train],
+        "precision": resolved["precision"],
+        "zero_stage": resolved["ds_config"].get("zero_optimization", {}).get("stage", 0),
+        "n_params": resolved["n_params"],
+        "batch_tokens": resolved["ds_config"]["train_batch_size"] * resolved["flags"]["seq_len"],
+    }
+
+
+# ------------------------------------------------------------------------------ reference
+def run_reference(a) -> dict:
+    out = Path(a.runs) / "reference.json"
+    args = [*job_flags(a), "--out", str(out)]
+    p = _torchrun(a, str(Path(__file__).resolve()), ["--reference", *args])
+    if p.returncode != 0:
+        print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
+        return {"name": "reference", "error": f"exit {p.returncode}"}
+    return {"name": "reference", **json.loads(out.read_text())}
+
+
+def reference(argv: list[str]) -> None:
+    """nanoGPT-style DDP, the loop people write by hand: the same model, data, batch, thread
+    count and precision (bf16 autocast, fused AdamW, no_sync accumulation, clipping)."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from data import BatchLoader, TokenDataset, load_manifest
+    from models import build_model, flops_per_token
+    from training.metrics import peak_flops
+    from training.train import Settings, parser
+
+    s = Settings(**vars(parser().parse_args(argv)))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer does
+    torch.manual_seed(s.seed)
+    model = build_model(s.model, vocab_size=load_manifest(s.data).vocab_size)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay, fused=True)
+    data = TokenDataset(s.data, "train", s.seq_len)
+    loader = BatchLoader(data, s.micro_batch, rank, world, s.seed)
+    times = []
+    for _ in range(s.steps):
+        t = time.perf_counter()
+        for micro in range(s.grad_accum):
+            x, y = loader.next_batch()
+            ddp.require_backward_grad_sync = micro == s.grad_accum - 1
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = ddp(input_ids=x, labels=y, shift_labels=y).loss / s.grad_accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # nanoGPT prints it every step
+        times.append(time.perf_counter() - t)
+    tokens = s.micro_batch * s.grad_accum * world * s.seq_len
+    tps = statistics.median(tokens / t for t in times[WARMUP_STEPS:] or times)
+    fpt = flops_per_token(
+        model.config, s.seq_len, n_params=sum(p.numel() for p in model.parameters())
+    )
+    peak = peak_flops(torch.device("cpu"), torch.bfloat16) * world
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        row = {"tokens_per_s": tps, "mfu": tps * fpt / peak, "peak_mem_gb": rss.item() / 2**30}
+        Path(s.out).write_text(json.dumps(row))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ the report
+def machine() -> str:
+    import deepspeed
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(
+            x.split(":", 1)[1].strip()
+            for x in Path("/proc/cpuinfo").read_text().splitlines()
+            if x.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, no GPU (gloo), torch {torch.__version__}, "
+        f"deepspeed {deepspeed.__version__}"
+        if not torch.cuda.is_available()
+        else f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, "
+        f"torch {torch.__version__}, deepspeed {deepspeed.__version__}"
+    )
+
+
+def _mib(b) -> str:
+    return "" if b is None else f"{b / 2**20:,.1f}"
+
+
+def write_report(rows: list[dict], a, out_dir: Path) -> Path:
+    """comparison.md and the two PNGs into out_dir; returns the markdown's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    by = {r["name"]: r for r in rows}
+    done = [r for r in rows if "error" not in r and r["name"] != "reference"]
+    first = done[0] if done else {}
+    ddp = by.get("ddp", {}).get("tokens_per_s")
+    cmd = "python -m benchmarks.compare" + (
+        f" --model {a.model} --steps {a.steps}" if (a.model, a.steps) != ("small", 30) else ""
+    )
+    lines = [
+        "# DDP, FSDP2 and DeepSpeed on the same work",
+        "",
+        f"Made by `{cmd}` on {machine()}, {time.strftime('%Y-%m-%d')}.",
+        "",
+        f"The job: model `{a.model}` ({first.get('n_params', 0) / 1e6:.1f}M parameters), data "
+        f"`{Path(a.data).name}`, sequence {a.seq_len}, global batch {a.micro_batch} x "
+        f"{a.grad_accum} accumulation x {a.ranks} ranks = {first.get('batch_tokens', 0):,} "
+        f"tokens per step, {a.steps} steps, seed {a.seed}, the same schedule for all. Every row "
+        f"is a real {a.ranks}-rank run of `training/train.py`; the reference is a few-line "
+        "nanoGPT-style DDP loop of the same model (`benchmarks/compare.py: reference`).",
+        "",
+        f"Tokens/s is the median over steps {WARMUP_STEPS + 1}-{a.steps}; MFU is against the "
+        "matmul peak measured on this machine in the run's precision, summed over ranks. Peak "
+        "memory is the fullest rank's peak RSS on a CPU (max allocated on a GPU): it includes "
+        "the Python, torch and DeepSpeed runtime, so model states show better in their own "
+        "columns. Other jobs shared this machine's cores; timings move by several percent "
+        "between runs.",
+        "",
+        "| engine | precision | tokens/s | vs DDP | MFU | peak memory / rank (GiB) | "
+        "params | grads | optimizer | buffers | model states / rank (MiB) | train loss | "
+        "val loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        label = _label(r["name"])
+        if "error" in r:
+            lines.append(f"| {label} | | not run: {r['error']} |" + " |" * 10)
+            continue
+        st = r.get("states", {})
+        vs = f"{r['tokens_per_s'] / ddp:.2f}x" if ddp else ""
+        lines.append(
+            f"| {label} | {r.get('precision', 'bf16')} | {r['tokens_per_s']:,.0f} | {vs} | "
+            f"{r['mfu']:.1%} | {r['peak_mem_gb']:.2f} | {_mib(st.get('params'))} | "
+            f"{_mib(st.get('grads'))} | {_mib(st.get('optimizer'))} | "
+            f"{_mib(st.get('buffers'))} | {_mib(st.get('total'))} | "
+            + (f"{r['loss']:.4f} | " if "loss" in r else " | ")
+            + (f"{r['val_loss']:.4f} |" if r.get("val_loss") is not None else " |")
+        )
+    lines += ["", "Speed floors, measured in the same run:", ""]
+    for run, against, floor in FLOORS:
+        x, y = by.get(run, {}).get("tokens_per_s"), by.get(against, {}).get("tokens_per_s")
+        if x and y:
+            verdict = "holds" if x / y >= floor else "MISSED"
+            lines.append(
+                f"- {_label(run)} / {_label(against)} = {x / y:.3f} (floor {floor}): {verdict}"
+            )
+    bf, fp = by.get("zero2"), by.get("fp32")
+    if bf and fp and "error" not in bf and "error" not in fp:
+        lines += [
+            "",
+            "bf16 against fp32, both ZeRO-2 (`zero2.json`, `fp32.json`):",
+            "",
+            "| precision | tokens/s | model states / rank (MiB) | train loss | val loss |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in (bf, fp):
+            lines.append(
+                f"| {r['precision']} | {r['tokens_per_s']:,.0f} | "
+                f"{_mib(r['states'].get('total'))} | {r['loss']:.4f} | {r['val_loss']:.4f} |"
+            )
+        lines += [
+            "",
+            f"bf16 runs {bf['tokens_per_s'] / fp['tokens_per_s']:.2f}x the tokens/s of fp32; "
+            f"its final validation loss differs by {bf['val_loss'] - fp['val_loss']:+.4f}.",
+        ]
+    lines += [
+        "",
+        "## How model states are counted",
+        "",
+        "`training/memory.py` walks what each engine holds on a rank: the model's parameters "
+        "and their gradients, and every tensor reachable from the optimizer object (for "
+        "DeepSpeed its flat bf16/fp32 partitions, gradient partitions and buckets; for FSDP2 "
+        "the DTensor shards). Each storage is counted once by its size, so views into a flat "
+        "buffer are not double-counted. Storages behind parameters are `params`, behind "
+        "gradients `grads`, reduction buckets `buffers`, the rest (fp32 master weights, Adam's "
+        "moments) `optimizer`. The training loop counts once per run, after the first "
+        "micro-batch's backward of the second step (optimizer states exist; gradients are held "
+        "as they accumulate), and logs the fullest rank (`kind: state_bytes` in metrics.jsonl). "
+        "With N parameters on 2 ranks, theory says: DDP 4N + 4N + 8N bytes (fp32 weights, "
+        "grads, Adam); ZeRO-0 2N + 2N + 12N (bf16 weights and grads, fp32 master + Adam); "
+        "ZeRO-1 halves the 12N, ZeRO-2 also the grads, ZeRO-3 also the weights; FSDP2 halves "
+        "all of DDP's. Offload configs hold the same bytes, in host memory.",
+        "",
+        "![model states and peak memory per rank](comparison_memory.png)",
+        "",
+        "![loss curves](comparison_loss.png)",
+        "",
+    ]
+    md = out_dir / "comparison.md"
+    md.write_text("\n".join(lines))
+    plot_memory(done, out_dir / "comparison_memory.png")
+    plot_loss(done, out_dir / "comparison_loss.png")
+    return md
+
+
+def _label(name: str) -> str:
+    return {"ddp": "DDP", "fsdp": "FSDP2", "reference": "nanoGPT-style DDP (reference)"}.get(
+        name, f"DeepSpeed `{name}`"
+    )
+
+
+def plot_memory(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    bottom = [0.0] * len(rows)
+    for part in ("params", "grads", "optimizer", "buffers"):
+        vals = [r.get("states", {}).get(part, 0) / 2**20 for r in rows]
+        ax1.bar(names, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.set_ylabel("MiB per rank")
+    ax1.set_title("model states per rank")
+    ax1.legend()
+    ax2.bar(names, [r["peak_mem_gb"] for r in rows], color="gray")
+    ax2.set_ylabel("GiB")
+    ax2.set_title("peak memory per rank (RSS on CPU)")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", rotation=45)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_loss(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for r in rows:
+        ax.plot(*zip(*r["curve"]), label=f"{r['name']} ({r['precision']})", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--reference"]:  # one rank of the reference loop, under torchrun
+        reference(argv[1:])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", default="data_cache/pystdlib", help="prepared data (made if absent)")
+    p.add_argument("--model", default="small")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--eval-samples", type=int, default=32)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument(
+        "--engines",
+        default=",".join(NATIVE + ds_config_names()),
+        help="comma-separated: ddp, fsdp and ds_configs names (default: all of them)",
+    )
+    p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")
+    p.add_argument("--out", default="docs", help="where comparison.md and the PNGs go")
+    p.add_argument("--runs", default="runs/compare", help="where the runs' folders go")
+    a = p.parse_args(argv)
+    if a.steps <= WARMUP_STEPS:
+        print(f"error: --steps must be more than {WARMUP_STEPS} (the warm-up)", file=sys.stderr)
+        return 2
+    unknown = set(a.engines.split(",")) - set(NATIVE + ds_config_names())
+    if unknown:
+        print(
+            f"error: unknown engines {sorted(unknown)}; choose from ddp, fsdp, "
+            f"{', '.join(ds_config_names())}",
+            file=sys.stderr,
+        )
+        return 2
+    if not (Path(a.data) / "manifest.json").is_file():
+        from data import prepare
+
+        print(f"preparing the built-in corpus into {a.data} (once)", flush=True)
+        prepare("pystdlib", a.data, num_proc=os.cpu_count() or 1)
+    Path(a.runs).mkdir(parents=True, exist_ok=True)
+
+    rows = [] if a.no_reference else [run_reference(a)]
+    for name in a.engines.split(","):
+        print(f"running {name} ...", flush=True)
+        rows.append(run_engine(name, a))
+    if rows and rows[0]["name"] == "reference":
+        print(f"reference: {rows[0]}", flush=True)
+    md = write_report(rows, a, Path(a.out))
+    print(md.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
