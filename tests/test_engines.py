@@ -75,9 +75,11 @@ def test_engines_follow_the_same_trajectory(runs):
             assert abs(a - b) <= tol * b, (name, step, loss[name], ref)
     # Gradient norms say the gradients themselves agree (a wrong accumulation scale would not
     # show in Adam's updates, but would here).
-    for name in ("ddp", "fsdp", "zero1"):
+    for name in ENGINES:  # step 1: the same weights and batch, so the same gradient
+        assert abs(norm[name][0] - norm["zero2"][0]) <= 1e-2 * norm["zero2"][0], norm
+    for name in ("ddp", "fsdp", "zero1", "zero3"):  # measured within 8%
         for a, b in zip(norm[name], norm["zero2"]):
-            assert abs(a - b) <= 0.15 * b, (name, norm[name], norm["zero2"])
+            assert abs(a - b) <= 0.2 * b, (name, norm[name], norm["zero2"])
     # The loop logged model-state bytes once: FSDP2 keeps half of what DDP keeps on 2 ranks.
     states = {n: read_metrics(runs[n], "state_bytes") for n in ("ddp", "fsdp")}
     assert [len(s) for s in states.values()] == [1, 1]
@@ -86,14 +88,29 @@ def test_engines_follow_the_same_trajectory(runs):
         assert abs(fsdp[key] / ddp[key] - 0.5) < 0.02, (key, ddp, fsdp)
 
 
+@pytest.fixture(scope="module")
+def stopped(tiny_data, init_model, tmp_path_factory):
+    """DDP and FSDP2 runs of the same job stopped (and saved) after step 10."""
+    base = tmp_path_factory.mktemp("stopped")
+    for backend in ("ddp", "fsdp"):
+        out = base / backend
+        launch(
+            [
+                *args(tiny_data, init_model, out, *engine_flags(backend), "--save-every", "0"),
+                "--stop-at",
+                "10",
+            ]
+        )
+        assert (out / "checkpoints" / "latest").read_text() == "step_00000010"
+    return base
+
+
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
-def test_native_engines_resume_exactly(runs, tiny_data, init_model, tmp_path, backend):
-    """Stop at step 10, resume to 20: the same losses, bit for bit, as the straight run."""
-    split = tmp_path / "split"
-    common = args(tiny_data, init_model, split, "--backend", backend, "--save-every", "0")
-    launch([*common, "--stop-at", "10"])
-    assert (split / "checkpoints" / "latest").read_text() == "step_00000010"
-    r = launch(common)
+def test_native_engines_resume_exactly(runs, stopped, tiny_data, init_model, backend):
+    """Resume the run stopped at step 10 and go on to 20: the same numbers, bit for bit, as
+    the straight run."""
+    split = stopped / backend
+    r = launch(args(tiny_data, init_model, split, *engine_flags(backend), "--save-every", "0"))
     assert "resumed from step_00000010" in r.stdout + r.stderr
     a, b = read_metrics(runs[backend]), read_metrics(split)
     assert [x["step"] for x in b] == list(range(1, STEPS + 1))
@@ -103,24 +120,16 @@ def test_native_engines_resume_exactly(runs, tiny_data, init_model, tmp_path, ba
     assert val[0] == val[1]
 
 
-def test_fsdp_checkpoint_from_2_ranks_resumes_on_1(runs, tiny_data, init_model, tmp_path):
-    """DCP reshards on load: step 10 of a 2-rank run continues on 1 rank with the same global
+def test_fsdp_checkpoint_from_2_ranks_resumes_on_1(runs, stopped, tiny_data, init_model, tmp_path):
+    """DCP reshards on load: step 10 of the 2-rank run continues on 1 rank with the same global
     batch (micro 1 x 4 accumulation), with both FSDP switches flipped (they change memory and
-    communication, not the numbers). The 2-rank run reduced its gradients across ranks in fp32
-    and this one accumulates them on one; only float summation order differs."""
-    two = tmp_path / "two"
-    launch(
-        [
-            *args(tiny_data, init_model, two, "--backend", "fsdp", "--save-every", "0"),
-            "--stop-at",
-            "10",
-        ]
-    )
+    communication, not the numbers). Only the order of fp32 gradient sums differs from the
+    straight 2-rank run: measured within 1e-7 relative; we hold 1e-5."""
     one = tmp_path / "one"
     r = launch(
         [
             *args(tiny_data, init_model, one, "--backend", "fsdp", "--save-every", "0", accum=4),
-            *("--resume", str(two / "checkpoints" / "step_00000010")),
+            *("--resume", str(stopped / "fsdp" / "checkpoints" / "step_00000010")),
             *("--no-fsdp-reshard-after-forward", "--fsdp-cpu-offload"),
         ],
         nproc=1,
@@ -225,3 +234,24 @@ def test_native_checkpoint_exports_to_hf(runs, tmp_path, backend):
     ]
     trained = read_metrics(runs[backend], "eval")[-1]["val_loss"]
     assert abs(sum(losses) / len(losses) - trained) < 0.02 * trained, (losses, trained)
+
+
+def test_native_flags_and_backend_mismatch_fail_in_one_line(capsys, tiny_data, stopped, tmp_path):
+    from training.train import main
+
+    base = ["--data", str(tiny_data), "--model", "tiny"]
+    cases = [
+        (
+            ["--out", str(tmp_path / "a"), "--fsdp-cpu-offload"],
+            "--fsdp-cpu-offload needs --backend fsdp",
+        ),
+        (
+            ["--out", str(tmp_path / "b"), "--backend", "ddp", "--ddp-bucket-mb", "0"],
+            "must be positive",
+        ),
+        (["--out", str(stopped / "ddp"), "--backend", "fsdp"], "written by --backend ddp"),
+    ]
+    for argv, needle in cases:
+        assert main([*base, *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and needle in err and "\n" not in err, err

@@ -447,8 +447,9 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         (run_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=1, default=str))
         # The run keeps its own tokenizer copy, so exports work after the data folder moves.
         shutil.copytree(manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
+        how = f"ZeRO-{stage}" if s.backend == "deepspeed" else "batch and clipping"
         logger.console(
-            f"zerostack: {s.backend} | {Path(cfg_path).name} | ZeRO-{stage} | {precision} | "
+            f"zerostack: {s.backend} | {Path(cfg_path).name} ({how}) | {precision} | "
             f"world {dist.world} ({dist.backend}) | model {s.model} {n_params / 1e6:.2f}M params | "
             f"batch {micro}x{accum}x{dp_world}x{s.seq_len} tokens"
             + (
