@@ -219,9 +219,7 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
     done = [r for r in rows if "error" not in r and r["name"] != "reference"]
     first = done[0] if done else {}
     ddp = by.get("ddp", {}).get("tokens_per_s")
-    cmd = "python -m benchmarks.compare" + (
-        f" --model {a.model} --steps {a.steps}" if (a.model, a.steps) != ("small", 30) else ""
-    )
+    cmd = " ".join(["python -m benchmarks.compare", *getattr(a, "argv", [])])
     lines = [
         "# DDP, FSDP2 and DeepSpeed on the same work",
         "",
@@ -371,6 +369,19 @@ def plot_loss(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _flags_worth_showing(argv: list[str]) -> list[str]:
+    """argv without the flags that only say where files live (for the report's command)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in ("--out", "--runs", "--data"):
+            skip = True
+        elif not x.startswith(("--out=", "--runs=", "--data=")):
+            out.append(x)
+    return out
+
+
 # ------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -381,9 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="data_cache/pystdlib", help="prepared data (made if absent)")
     p.add_argument("--model", default="small")
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--grad-accum", type=int, default=2)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--eval-samples", type=int, default=32)
@@ -400,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs", help="where comparison.md and the PNGs go")
     p.add_argument("--runs", default="runs/compare", help="where the runs' folders go")
     a = p.parse_args(argv)
+    a.argv = _flags_worth_showing(argv)
     if a.steps <= WARMUP_STEPS:
         print(f"error: --steps must be more than {WARMUP_STEPS} (the warm-up)", file=sys.stderr)
         return 2

@@ -255,3 +255,32 @@ def test_native_flags_and_backend_mismatch_fail_in_one_line(capsys, tiny_data, s
         assert main([*base, *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and needle in err and "\n" not in err, err
+
+
+def test_compare_report_from_the_runs(runs, tiny_data, init_model, tmp_path):
+    """The comparison command's report, written from this module's real runs (the command
+    itself only adds launching them: `python -m benchmarks.compare --steps 6 --model tiny`)."""
+    import argparse
+
+    from benchmarks.compare import summarize, write_report
+
+    rows = [summarize(runs[name], name) for name in ENGINES]
+    a = argparse.Namespace(
+        model=str(init_model),
+        data=str(tiny_data),
+        steps=STEPS,
+        seq_len=64,
+        micro_batch=1,
+        grad_accum=2,
+        ranks=2,
+        seed=1234,
+        repeats=1,
+    )
+    text = write_report(rows, a, tmp_path).read_text()
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["states"]["total"] > 0, row
+    lines = [x for x in text.splitlines() if x.startswith("| DDP |") or x.startswith("| FSDP2 |")]
+    assert len(lines) == 2 and "| 1.00x |" in lines[0], lines
+    assert "DeepSpeed `zero2` / DDP = " in text
+    for png in ("comparison_memory.png", "comparison_loss.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
