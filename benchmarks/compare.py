@@ -55,12 +55,32 @@ def _torchrun(a, script: str, args: list[str]) -> subprocess.CompletedProcess:
 def job_flags(a) -> list[str]:
     """The train.py flags every engine shares: the same work."""
     return [
-        *("--data", str(a.data), "--model", a.model, "--seq-len", str(a.seq_len)),
+        *("--data", str(a.data), "--model", a.init, "--seq-len", str(a.seq_len)),
         *("--micro-batch", str(a.micro_batch), "--grad-accum", str(a.grad_accum)),
         *("--steps", str(a.steps), "--seed", str(a.seed), "--lr", str(a.lr)),
         *("--warmup", str(max(1, a.steps // 10)), "--log-every", "1", "--eval-every", "0"),
         *("--eval-samples", str(a.eval_samples), "--save-every", "-1", "--resume", "never"),
     ]
+
+
+def initial_weights(a) -> str:
+    """A preset's initial weights, made once from the seed and saved, for every engine to load:
+    seeding alone does not give ZeRO-3 the same weights (it builds the model partitioned and
+    draws its random numbers in another order)."""
+    from models import PRESETS
+
+    if a.model not in PRESETS:
+        return a.model  # a folder already holds its weights
+    import torch
+
+    from data import load_manifest
+    from models import build_model
+
+    folder = Path(a.runs) / f"init_{a.model}_seed{a.seed}"
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(a.seed)
+        build_model(a.model, vocab_size=load_manifest(a.data).vocab_size).save_pretrained(folder)
+    return str(folder)
 
 
 def engine_flags(name: str) -> list[str]:
@@ -225,7 +245,8 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "",
         f"Made by `{cmd}` on {machine()}, {time.strftime('%Y-%m-%d')}.",
         "",
-        f"The job: model `{a.model}` ({first.get('n_params', 0) / 1e6:.1f}M parameters), data "
+        f"The job: model `{a.model}` ({first.get('n_params', 0) / 1e6:.1f}M parameters; its "
+        "initial weights are made once from the seed and loaded by every run), data "
         f"`{Path(a.data).name}`, sequence {a.seq_len}, global batch {a.micro_batch} x "
         f"{a.grad_accum} accumulation x {a.ranks} ranks = {first.get('batch_tokens', 0):,} "
         f"tokens per step, {a.steps} steps, seed {a.seed}, the same schedule for all. Every row "
@@ -304,7 +325,8 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "With N parameters on 2 ranks, theory says: DDP 4N + 4N + 8N bytes (fp32 weights, "
         "grads, Adam); ZeRO-0 2N + 2N + 12N (bf16 weights and grads, fp32 master + Adam); "
         "ZeRO-1 halves the 12N, ZeRO-2 also the grads, ZeRO-3 also the weights; FSDP2 halves "
-        "all of DDP's. Offload configs hold the same bytes, in host memory.",
+        "all of DDP's. The offload configs keep their optimizer states in host memory (the same "
+        "memory on a CPU-only machine) and add fp32 gradient partitions for the CPU optimizer.",
         "",
         "![model states and peak memory per rank](comparison_memory.png)",
         "",
@@ -429,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preparing the built-in corpus into {a.data} (once)", flush=True)
         prepare("pystdlib", a.data, num_proc=os.cpu_count() or 1)
     Path(a.runs).mkdir(parents=True, exist_ok=True)
+    a.init = initial_weights(a)
 
     names = ([] if a.no_reference else ["reference"]) + a.engines.split(",")
     results: dict[str, list[dict]] = {name: [] for name in names}

@@ -33,7 +33,7 @@ class DDPEngine(NativeEngine):
             # under no_sync, which accumulation does.)
             find_unused_parameters=False,
             bucket_cap_mb=settings.ddp_bucket_mb or BUCKET_MB,
-            broadcast_buffers=False,  # the model has no buffers that change in training
+            forward_sync_buffers=False,  # the model has no buffers that change in training
         )
 
     def _no_sync(self):

@@ -52,24 +52,28 @@ class FSDPEngine(NativeEngine):
         fully_shard(model, reshard_after_forward=False, **kwargs)
         return model
 
-    def save(self, root, tag: str, client_state: dict) -> None:
+    def _state(self) -> dict:
+        """What a checkpoint holds, as DTensor shards under the model's own names."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         if self.scaler:
             state["scaler"] = self.scaler.state_dict()
-        dcp.save(state, checkpoint_id=str(Path(root) / tag / DCP_DIR))
+        return state
+
+    def save(self, root, tag: str, client_state: dict) -> None:
+        dcp.save(self._state(), checkpoint_id=str(Path(root) / tag / DCP_DIR))
 
     def load(self, root, tag: str) -> None:
         path = Path(root) / tag / DCP_DIR
         if not (path / ".metadata").is_file():
             raise RuntimeError(f"{path.parent} holds no FSDP checkpoint ({DCP_DIR}/ missing)")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        if self.scaler:
-            state["scaler"] = self.scaler.state_dict()
+        state = self._state()
         dcp.load(state, checkpoint_id=str(path))  # fills the shards this rank owns, any world
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
         )
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
