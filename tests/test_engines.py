@@ -203,7 +203,8 @@ def test_native_checkpoint_exports_to_hf(runs, tmp_path, backend):
 
     from models import ZeroStackForCausalLM
     from training.engines import load_full_state_dict
-    from training.export import config_from_dict, export
+    from training.export import export
+    from training.weights import config_from_dict
 
     folder = runs[backend] / "checkpoints" / f"step_{STEPS:08d}"
     hf = export(runs[backend], tmp_path / "hf")
@@ -249,7 +250,7 @@ def test_native_flags_and_backend_mismatch_fail_in_one_line(capsys, tiny_data, s
             ["--out", str(tmp_path / "b"), "--backend", "ddp", "--ddp-bucket-mb", "0"],
             "must be positive",
         ),
-        (["--out", str(stopped / "ddp"), "--backend", "fsdp"], "written by --backend ddp"),
+        (["--out", str(stopped / "ddp"), "--backend", "fsdp"], "written by the ddp backend"),
     ]
     for argv, needle in cases:
         assert main([*base, *argv]) == 2
