@@ -166,7 +166,7 @@ def test_bad_input_gets_one_clear_line(runs, tmp_path, capsys):
     raw[len(raw) // 2] ^= 0x01  # one flipped bit, same size
     f.write_bytes(raw)
     err = one_line_error(capsys, [str(run), "--out", out])
-    assert "corrupt checkpoint" in err and "CRC-32" in err and f.name in err
+    assert "corrupt checkpoint" in err and "sha256" in err and f.name in err
     f.write_bytes(raw[:1000])  # truncated
     err = one_line_error(capsys, [str(run), "--out", out])
     assert "truncated" in err and f.name in err

@@ -5,10 +5,12 @@
         latest                   the tag of the newest *complete* checkpoint
 
 An engine writes its files into the tag folder; then rank 0 writes the trainer state and a
-`complete.json` listing every file with its size and CRC-32, and only then moves `latest` to the
-new tag (an atomic rename). A kill at any moment before that leaves `latest` on the previous
-checkpoint, and an incomplete folder is never loaded. `verify` re-reads the files against the
-listing, so a truncated or corrupted file is found before anything loads it.
+`complete.json` listing every file with its size and sha256 (training/integrity.py: the ranks
+share the hashing), and only then moves `latest` to the new tag (an atomic rename). A kill at
+any moment before that leaves `latest` on the previous checkpoint, and an incomplete folder is
+never loaded. `verify` re-reads the files against the listing, so a truncated or corrupted file
+is found before anything loads it. A save that cannot be written (disk full) raises SaveFailed
+and leaves `latest` alone.
 
 A universal copy of a checkpoint (training/universal.py) lives beside it as `step_N_universal`
 and goes when its checkpoint goes.
@@ -21,12 +23,13 @@ import os
 import re
 import shutil
 import time
-import zlib
 from pathlib import Path
 
 import torch
 
 from training import distributed as D
+from training import integrity
+from training.exits import SaveFailed
 
 LATEST = "latest"
 COMPLETE = "complete.json"
@@ -66,7 +69,29 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_main: bool) -> Path:
-    """All ranks call. Returns the checkpoint folder once it is complete and `latest`."""
+    """All ranks call. Returns the checkpoint folder once it is complete and `latest`.
+    Raises SaveFailed when a file cannot be written; the previous checkpoint stays `latest`."""
+    try:
+        _save(engine, root, step, trainer_state, keep_last, is_main)
+    except Exception as e:
+        prev = find_latest(root)
+        free = shutil.disk_usage(root if root.is_dir() else root.parent).free
+        raise SaveFailed(
+            f"could not write checkpoint {tag_for(step)} ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}; "
+            f"{free / 2**20:,.0f} MiB free there); "
+            + (
+                f"the previous checkpoint {prev} is intact and `latest` still names it"
+                if prev
+                else "there is no earlier checkpoint"
+            )
+            + f"; free space (the partial {root / tag_for(step)} can go) and re-run to resume"
+        ) from e
+    D.barrier()
+    return root / tag_for(step)
+
+
+def _save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_main: bool):
     tag = tag_for(step)
     folder = root / tag
     if is_main:
@@ -86,11 +111,12 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_
         if hold and int(hold.split(":")[0]) == step:  # test hook: lets a test kill a save
             print(f"[test hook] holding save of {tag} open", flush=True)
             time.sleep(float(hold.split(":")[1]))
-        write_listing(folder)
+    D.barrier()  # the trainer state is on disk for every rank to see
+    listing = integrity.listing(folder)
+    if is_main:
+        _write_atomic(folder / COMPLETE, json.dumps(listing, indent=1))
         _write_atomic(root / LATEST, tag)
         _prune(root, keep_last)
-    D.barrier()
-    return folder
 
 
 def _gather_object(obj) -> list:
@@ -103,28 +129,11 @@ def _gather_object(obj) -> list:
     return out
 
 
-def _listing(folder: Path) -> dict:
-    files, crcs = {}, {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.name != COMPLETE:
-            name = str(p.relative_to(folder))
-            files[name] = p.stat().st_size
-            crcs[name] = crc32(p)
-    return {"files": files, "crc32": crcs}
-
-
-def crc32(path: Path) -> int:
-    """CRC-32 of a file, read in 16 MiB chunks (zlib does about 3 GB/s)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def write_listing(folder: Path, extra: dict | None = None) -> None:
-    """Seal a folder: list every file with size and CRC-32 in complete.json (written last)."""
-    _write_atomic(folder / COMPLETE, json.dumps({**_listing(folder), **(extra or {})}, indent=1))
+    """Seal a folder from one process: list every file with size and sha256 in complete.json
+    (written last). Checkpoint saves share this work between the ranks instead."""
+    listing = {**integrity.listing(folder, collective=False), **(extra or {})}
+    _write_atomic(folder / COMPLETE, json.dumps(listing, indent=1))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -156,28 +165,10 @@ def verify_sizes(folder: Path) -> None:
 
 def verify(folder: Path, crc: bool = True) -> None:
     """Raise CheckpointError unless every file complete.json lists is there with its size and
-    CRC-32 (listings written before CRCs were recorded are checked by size)."""
-    try:
-        listing = json.loads((folder / COMPLETE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"{folder}: incomplete checkpoint (no readable {COMPLETE}: {e})"
-        ) from None
-    crcs = listing.get("crc32", {})
-    for name, size in listing.get("files", {}).items():
-        p = folder / name
-        if not p.is_file():
-            raise CheckpointError(f"{folder}: corrupt checkpoint: {name} is missing")
-        if p.stat().st_size != size:
-            raise CheckpointError(
-                f"{folder}: corrupt checkpoint: {name} is {p.stat().st_size} bytes, "
-                f"{size} were written (truncated?)"
-            )
-        if crc and name in crcs and crc32(p) != crcs[name]:
-            raise CheckpointError(
-                f"{folder}: corrupt checkpoint: {name} does not match its CRC-32 "
-                "(changed on disk since it was written)"
-            )
+    checksum (crc=False: size only). One process; training/integrity.py shares it out."""
+    problem = integrity.verify(folder, hashes=crc, collective=False)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def complete_tags(root: Path) -> list[str]:

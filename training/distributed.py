@@ -62,6 +62,11 @@ def setup(timeout_s: float = 600.0, local_rank_arg: int | None = None) -> DistIn
         device = torch.device(acc.device_name(local_rank))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    # Groups made later (DeepSpeed clones the world for ZeRO) get torch's default timeout, 30
+    # minutes or more, not the world's: make the default ours too.
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     return DistInfo(rank, world, local_rank, local_world, device, backend)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from training import checkpoint
+from training import checkpoint, liveness, nonfinite, signals
 from training.distributed import all_gather_object, all_reduce_scalars
 from training.engines import data_parallel
 from training.evaluate import evaluate
@@ -23,6 +23,7 @@ class LoopState:
     step: int = 0  # optimizer steps done
     tokens: int = 0  # tokens trained on, all ranks
     skipped: int = 0  # updates not applied (fp16 overflow, non-finite)
+    nonfinite: int = 0  # bf16/fp32 steps with a non-finite loss or gradient norm
 
 
 def run(
@@ -41,19 +42,25 @@ def run(
     peak_flops: float,
     trainer_extra: dict,
 ) -> dict:
-    """Train until settings.steps; returns the last evaluation."""
+    """Train until settings.steps (or --stop-at, or an agreed stop signal: then
+    `signals.current().honored` is set); returns the last evaluation. Raises exits.Diverged after
+    --max-bad-steps consecutive non-finite steps."""
     device = dist.device
     seq_len = settings.seq_len
     dp_rank, dp_world = data_parallel(engine, dist)
     tokens_per_step = micro_batch * grad_accum * dp_world * seq_len
     ckpt_root = run_dir / "checkpoints"
     last_eval: dict = {}
+    stop = signals.current()
+    guard = nonfinite.Guard(settings.max_bad_steps, state.nonfinite)
+    test_nan = nonfinite.TestNaN(engine.module, dist.rank, dist.world)
 
     def do_save():
         trainer_state = {
             "step": state.step,
             "tokens": state.tokens,
             "skipped": state.skipped,
+            "nonfinite": guard.total,
             "data": loader.state_dict(),
             "world": dist.world,
             **trainer_extra,
@@ -109,6 +116,8 @@ def run(
             min_lr_ratio=settings.min_lr_ratio,
         )
         engine.set_lr(lr)
+        test_nan.arm(state.step + 1)
+        step_loss = torch.zeros((), dtype=torch.float32, device=device)
         for micro in range(grad_accum):
             x, y = loader.next_batch()
             loss = engine.forward_backward(
@@ -116,17 +125,53 @@ def run(
                 y.to(device, non_blocking=True),
                 boundary=micro == grad_accum - 1,
             )
-            loss_sum += loss.float()
-            n_loss += 1
+            step_loss += loss.float()
             if not state_logged and state.step >= 1:
                 t0 = time.perf_counter()
                 log_state_bytes()
                 state_logged = True
                 t_last += time.perf_counter() - t0  # keep the count out of tokens/s
+        test_nan.arm(0)
         result = engine.step()
         state.step += 1
         state.tokens += tokens_per_step
-        state.skipped += int(result.skipped)
+        liveness.note_step(state.step)
+        # One small collective per step: every rank learns of a stop signal, a non-finite loss
+        # and a skipped update anywhere, so they all count, log and stop alike.
+        sig, who, loss_bad, skipped = all_reduce_scalars(
+            [
+                stop.signum,
+                dist.rank + 1 if stop.requested else 0,
+                float(not torch.isfinite(step_loss)),
+                float(result.skipped),
+            ],
+            device,
+            op="max",
+        )
+        state.skipped += int(skipped)
+        # fp16: a skipped update with a finite loss is an overflow, the loss scaler's business.
+        bad = bool(loss_bad) or (bool(skipped) and result.loss_scale is None)
+        if bad:
+            last_ckpt = checkpoint.find_latest(ckpt_root)
+            logger.log(
+                {
+                    "kind": "nonfinite",
+                    "step": state.step,
+                    "loss_finite": not loss_bad,
+                    "update_skipped": bool(skipped),
+                    "in_a_row": guard.in_a_row + 1,
+                    "total": guard.total + 1,
+                    "note": f"non-finite {'loss' if loss_bad else 'gradient norm'}, update "
+                    f"{'skipped on every rank' if skipped else 'APPLIED'} "
+                    f"({guard.in_a_row + 1} in a row, {guard.total + 1} in total)",
+                }
+            )
+            guard.update(state.step, True, last_ckpt)
+        else:
+            guard.update(state.step, False, None)
+            loss_sum += step_loss
+            n_loss += grad_accum
+        state.nonfinite = guard.total
         steps_since += 1
         logger.advance(1)
 
@@ -134,7 +179,7 @@ def run(
             elapsed = time.perf_counter() - t_last
             mean_loss, grad_norm = all_reduce_scalars(
                 [
-                    loss_sum.item() / max(1, n_loss),
+                    loss_sum.item() / n_loss if n_loss else float("nan"),
                     result.grad_norm if result.grad_norm is not None else float("nan"),
                 ],
                 device,
@@ -145,13 +190,14 @@ def run(
                 {
                     "kind": "train",
                     "step": state.step,
-                    "loss": mean_loss,
+                    "loss": None if math.isnan(mean_loss) else mean_loss,
                     "lr": lr,
                     "grad_norm": None if math.isnan(grad_norm) else grad_norm,
                     "tokens_per_s": tps,
                     "mfu": tps * flops_per_token / peak_flops,
                     "peak_mem_gb": mem / 2**30,  # the highest rank's
                     "skipped": state.skipped,
+                    "nonfinite": state.nonfinite,
                     "tokens": state.tokens,
                     **({"loss_scale": result.loss_scale} if result.loss_scale else {}),
                 }
@@ -162,20 +208,33 @@ def run(
         if settings.eval_every and state.step % settings.eval_every == 0:
             do_eval()
             t_last = time.perf_counter()  # keep eval time out of tokens/s
-        if settings.save_every and state.step % settings.save_every == 0:
+        saved = False
+        # No periodic save inside a run of bad steps: keep the last good checkpoint.
+        if settings.save_every > 0 and state.step % settings.save_every == 0 and not bad:
             do_save()
+            saved = True
             t_last = time.perf_counter()
         elif settings.stop_at and state.step >= settings.stop_at:
             do_save()
+            saved = True
+        if sig:  # every rank agreed to stop: save here and exit (exits.PREEMPTED)
+            if not saved:
+                do_save()
+            logger.console(
+                f"stopped by {signals.name(sig)} (received by rank {int(who) - 1}) after step "
+                f"{state.step}; re-run the same command to resume from "
+                f"{checkpoint.tag_for(state.step)}"
+            )
+            stop.honored = True
+            return last_eval
         if settings.stop_at and state.step >= settings.stop_at:
             logger.console(f"stopping after step {state.step} (--stop-at)")
             return last_eval
 
     if not (settings.eval_every and state.step % settings.eval_every == 0):
         do_eval()
-    if (
-        not (settings.save_every and state.step % settings.save_every == 0)
-        and settings.save_every >= 0
+    if settings.save_every == 0 or (
+        settings.save_every > 0 and state.step % settings.save_every != 0
     ):
         do_save()
     return last_eval

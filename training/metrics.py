@@ -203,6 +203,8 @@ def _fmt(r: dict) -> str:
     ):
         if k in r and r[k] is not None:
             parts.append(f"{k} {format(r[k], fmt)}")
+    if r.get("note"):
+        parts.append(r["note"])
     return " | ".join(parts)
 
 
@@ -216,7 +218,7 @@ def plot_loss_curve(metrics_path: Path, out_png: Path) -> None:
             r = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by a kill
-        if r.get("kind") == "train" and "loss" in r:
+        if r.get("kind") == "train" and r.get("loss") is not None:
             train.append((r["step"], r["loss"]))
         elif r.get("kind") == "eval" and "val_loss" in r:
             val.append((r["step"], r["val_loss"]))

@@ -9,6 +9,8 @@ flags --micro-batch, --grad-accum, --global-batch and --grad-clip override those
 "auto" is then resolved (training/config.py). Re-running with the same --out resumes from the
 latest complete checkpoint; when the checkpoint was saved on another world size, ZeRO stage or
 pipeline layout, through a universal copy made beside it (training/universal.py, --universal).
+How a run ends is its exit code (training/exits.py): 0 done, 2 bad input, 3 diverged, 4 lost a
+rank, 5 could not save, 75 preempted (checkpoint saved).
 """
 
 from __future__ import annotations
@@ -128,7 +130,19 @@ def parser() -> argparse.ArgumentParser:
         help="per-rank peak for MFU (default: measured once and cached)",
     )
     a("--wandb", action="store_true", help="also log to Weights & Biases (offline works)")
-    a("--dist-timeout", type=float, default=600.0, help="seconds before a collective gives up")
+    a(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="seconds before a collective gives up (a hung rank is named after this)",
+    )
+    a(
+        "--max-bad-steps",
+        type=int,
+        default=5,
+        help="stop after this many consecutive steps with a non-finite loss or gradient norm "
+        "(bf16/fp32; each is skipped on every rank)",
+    )
     a("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -175,6 +189,7 @@ class Settings:
     peak_tflops: float | None
     wandb: bool
     dist_timeout: float
+    max_bad_steps: int
     local_rank: int | None
 
 
@@ -189,6 +204,7 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
         raise config.ConfigError(f"--steps must be at least 1, got {s.steps}")
     if s.seq_len < 2:
         raise config.ConfigError(f"--seq-len must be at least 2, got {s.seq_len}")
+    _check_flags_and_env(s, world)
     default_cfg = "zero2.json" if s.backend == "deepspeed" else "zero0.json"
     cfg_path = s.ds_config or str(REPO / "ds_configs" / default_cfg)
     raw = config.load_json(cfg_path)
@@ -219,22 +235,49 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
             raise config.ConfigError(f"{flag} needs --backend {needs} (got --backend {s.backend})")
     if s.ddp_bucket_mb is not None and s.ddp_bucket_mb <= 0:
         raise config.ConfigError(f"--ddp-bucket-mb must be positive, got {s.ddp_bucket_mb}")
+    if getattr(model_cfg, "vocab_size", manifest.vocab_size) < manifest.vocab_size:
+        raise config.ConfigError(
+            f"--model {s.model}: its vocabulary has {model_cfg.vocab_size} tokens but the data in "
+            f"{s.data} uses {manifest.vocab_size}; prepare the data with that model's tokenizer"
+        )
     resume = checkpoint.resolve_resume(s.resume, Path(s.out))
+    existing = checkpoint.find_latest(Path(s.out) / "checkpoints")
+    if s.resume == "never" and existing:
+        raise checkpoint.CheckpointError(
+            f"--resume never, but {s.out} already holds checkpoints (latest {existing}) that "
+            "training from scratch would overwrite; pick another --out or use --resume auto"
+        )
     if resume is not None:
-        resume = (*resume, _plan_resume(s, ds_cfg, world, rank, *resume))
+        resume = _plan_with_fallback(s, ds_cfg, world, rank, *resume)
     return ds_cfg, manifest, model_cfg, resume, cfg_path
 
 
+def _plan_with_fallback(s: Settings, ds_cfg: dict, world: int, rank: int, root: Path, tag: str):
+    """(root, tag, through a universal copy?) for the checkpoint to resume from. With --resume
+    auto, a checkpoint whose trainer state will not load gives way to the next older one."""
+    from training import checkpoint
+
+    older = [t for t in reversed(checkpoint.complete_tags(root)) if t < tag]
+    candidates = [tag, *older] if s.resume == "auto" else [tag]
+    first = None
+    for t in candidates:
+        try:
+            return root, t, _plan_resume(s, ds_cfg, world, rank, root, t)
+        except checkpoint.CheckpointError as e:
+            first = first or e
+            if rank == 0 and t != candidates[-1]:
+                print(f"warning: {e}; trying the previous checkpoint", file=sys.stderr)
+    raise first
+
+
 def _plan_resume(s: Settings, ds_cfg: dict, world: int, rank: int, root: Path, tag: str) -> bool:
-    """Check the checkpoint (rank 0 re-reads every file against its CRC) and decide whether it
-    loads natively or through a universal copy."""
+    """Decide whether checkpoint root/tag loads natively or through a universal copy. Its files
+    are checked against their checksums once the process group is up (training/integrity.py)."""
     from training import checkpoint, config, universal
 
-    if rank == 0:
-        checkpoint.verify(root / tag)
     try:
         saved = checkpoint.load_trainer_state(root, tag)
-    except Exception as e:  # a file that passed its CRC yet will not unpickle
+    except Exception as e:  # damaged beyond unpickling
         raise checkpoint.CheckpointError(f"{root / tag}: unreadable trainer state ({e})") from None
     now = universal.Topology(
         s.backend, world, config.zero_stage(ds_cfg), config.pipeline_stages(ds_cfg)
@@ -275,6 +318,34 @@ def _check_pipeline(s: Settings, model_cfg, stages: int, cfg_path: str) -> None:
         )
 
 
+def _check_flags_and_env(s: Settings, world: int) -> None:
+    """Flags with impossible values and a launcher environment that is only half there."""
+    from training.config import ConfigError
+
+    for flag, value, ok, need in (
+        ("--lr", s.lr, s.lr > 0, "positive"),
+        ("--dist-timeout", s.dist_timeout, s.dist_timeout > 0, "positive (seconds)"),
+        ("--max-bad-steps", s.max_bad_steps, s.max_bad_steps >= 1, "at least 1"),
+        ("--save-every", s.save_every, s.save_every >= -1, "-1 (never), 0 (at the end) or more"),
+    ):
+        if not ok:
+            raise ConfigError(f"{flag} must be {need}, got {value}")
+    out = Path(s.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder")
+    env = os.environ
+    launched = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k in env]
+    if launched and len(launched) < 4:
+        missing = sorted({"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} - set(launched))
+        raise ConfigError(
+            f"the environment sets {', '.join(launched)} but not {', '.join(missing)}: start "
+            "through torchrun or deepspeed, or unset them to run as a single process"
+        )
+    rank = int(env.get("RANK", "0"))
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+
+
 def _model_config(spec: str, vocab_size: int):
     """The model's config without building it (presets and folders), for early checks."""
     from models import ModelError, get_config
@@ -303,10 +374,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ds_cfg, manifest, model_cfg, resume, cfg_path = prepare_run(s, world, rank)
     except (ConfigError, DataError, ModelError, CheckpointError) as e:
-        if rank == 0:
+        if rank == 0 or not 0 <= rank < world:  # rank 0 speaks for all, a stray rank for itself
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    return _train(s, ds_cfg, manifest, model_cfg, resume, cfg_path)
+    from training.exits import run_guarded
+
+    return run_guarded(
+        lambda: _train(s, ds_cfg, manifest, model_cfg, resume, cfg_path),
+        rank=rank,
+        world=world,
+        run_dir=s.out,
+    )
 
 
 def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str) -> int:
@@ -314,7 +392,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
 
     from data import BatchLoader, TokenDataset
     from models import build_model, flops_per_token
-    from training import checkpoint
+    from training import checkpoint, integrity
     from training import config as C
     from training import distributed as D
     from training.engines import build_engine, data_parallel
@@ -326,6 +404,15 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     D.barrier()
+    if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
+        root, tag = integrity.verified_resume(
+            resume[:2],
+            auto=s.resume == "auto",
+            complete_tags=checkpoint.complete_tags,
+            log=lambda m: print(m, file=sys.stderr, flush=True) if dist.is_main else None,
+        )
+        if tag != resume[1]:  # fell back to an older checkpoint: plan its load again
+            resume = (root, tag, _plan_resume(s, ds_cfg, dist.world, dist.rank, root, tag))
 
     if s.backend == "deepspeed":
         import deepspeed
@@ -401,7 +488,12 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         root, tag, _ = resume
         engine.load(root, load_tag)
         ts = checkpoint.load_trainer_state(root, tag)
-        state = LoopState(step=ts["step"], tokens=ts["tokens"], skipped=ts.get("skipped", 0))
+        state = LoopState(
+            step=ts["step"],
+            tokens=ts["tokens"],
+            skipped=ts.get("skipped", 0),
+            nonfinite=ts.get("nonfinite", 0),
+        )
         loader.load_state_dict(ts["data"])
         rngs = ts.get("rng", [])
         if ts.get("world") == dist.world and dist.rank < len(rngs):

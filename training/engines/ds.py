@@ -10,6 +10,7 @@ import torch
 
 from training.engines import StepResult
 from training.memory import state_bytes
+from training.nonfinite import poison
 from training.optim import adamw, param_groups
 
 
@@ -43,6 +44,9 @@ class DeepSpeedEngine:
             {k: g[k] for k in ("weight_decay", "betas", "eps") if k in g}
             for g in self.engine.optimizer.param_groups
         ]
+        # DeepSpeed's own optimizer wrappers (ZeRO 1-3, bf16, fp16) skip an update whose global
+        # gradient norm is not finite; a plain torch optimizer (fp32, ZeRO-0) needs us to.
+        self._plain_optimizer = not hasattr(self.engine.optimizer, "overflow")
 
     @property
     def module(self):
@@ -50,23 +54,35 @@ class DeepSpeedEngine:
 
     def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
         loss = self.engine(input_ids=x, labels=y, shift_labels=y).loss
-        self.engine.backward(loss)
+        self.engine.backward(poison(loss))  # a non-finite loss gives non-finite gradients
         if not boundary:
             self.engine.step()  # DeepSpeed counts micro-steps; no reduction, no update here
         return loss.detach()
 
     def step(self) -> StepResult:
-        self.engine.step()
+        forced = self._plain_optimizer and not self._grads_finite()
+        if forced:  # a torch optimizer has no skip path: stand its step down for this call
+            self.engine.optimizer.step = lambda *args, **kwargs: None
+        try:
+            self.engine.step()  # DeepSpeed's bookkeeping (counters, zeroing grads) still runs
+        finally:
+            if forced:
+                del self.engine.optimizer.step
         norm = self.engine.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
             norm = norm.item()
-        skipped = not self.engine.was_step_applied()
+        skipped = forced or not self.engine.was_step_applied()
         scale = getattr(self.engine.optimizer, "cur_scale", None)
         return StepResult(
             None if norm is None or not math.isfinite(norm) else float(norm),
             skipped,
             float(scale) if self.engine.fp16_enabled() and scale is not None else None,
         )
+
+    def _grads_finite(self) -> bool:
+        # ZeRO-0 has all-reduced the gradients by now, so every rank decides alike.
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:

@@ -1,0 +1,131 @@
+"""Which rank is gone? When a collective fails, the survivors name the rank that died or hangs
+instead of printing a socket error.
+
+Every rank runs a daemon thread that bumps a counter in the launcher's rendezvous store (the
+TCPStore at MASTER_ADDR:MASTER_PORT) once a second, with the step it is on; collectives release
+the GIL, so the thread keeps beating while the main thread waits in one. A rank that fails on
+its own leaves one line of "last words" there. On an error, `roll_call` reads the counters, waits
+a few seconds, and reads them again: a rank whose counter stood still is dead (or frozen, or cut
+off), a rank that left words says why it stopped, and a live rank behind our step is stuck.
+
+Under torchrun the store lives in the launcher's agent and outlives every rank; under the
+deepspeed launcher rank 0 hosts it, so an unreachable store means rank 0 is gone."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from training import exits
+
+
+class Liveness:
+    def __init__(self, rank: int, world: int, interval: float = 1.0):
+        env = os.environ
+        self.rank, self.world, self.interval = rank, world, interval
+        self.step = 0  # the main thread's current step; read by the heartbeat thread
+        self.host, self.port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        self.agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        # torchrun keeps its store across restarts: keys are per restart.
+        run, attempt = (
+            env.get("TORCHELASTIC_RUN_ID", ""),
+            env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        )
+        self.prefix = f"zerostack/live/{run}/{attempt}/"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="zerostack-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self.prefix}{kind}/{rank}"
+
+    def _connect(self, timeout_s: float):
+        return dist.TCPStore(
+            self.host,
+            self.port,
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+
+    def _beat(self) -> None:
+        store = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = self._connect(10)
+                store.add(self._key("beat", self.rank), 1)
+                store.set(self._key("step", self.rank), str(self.step))
+            except Exception:
+                store = None  # not up yet (rank 0 starts it with the process group), or gone
+            self._stop.wait(self.interval)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def last_words(self, code: int, text: str) -> None:
+        """Leave one line (and the exit code) for the other ranks' roll call."""
+        try:
+            self._connect(5).set(self._key("words", self.rank), f"{code}|{text}")
+        except Exception:
+            pass
+
+    def roll_call(self, window_s: float = 3.0) -> tuple[dict[int, str], int]:
+        """({rank: why it is gone or stuck}, the exit code to use). Empty when every other rank
+        is alive and at our step, i.e. the failure is this rank's own."""
+        others = [r for r in range(self.world) if r != self.rank]
+        try:
+            store = self._connect(5)
+            first = {r: store.add(self._key("beat", r), 0) for r in others}
+            pending, end = set(others), time.monotonic() + window_s
+            while pending and time.monotonic() < end:
+                time.sleep(0.25)
+                pending = {r for r in pending if store.add(self._key("beat", r), 0) == first[r]}
+                pending -= {r for r in pending if store.check([self._key("words", r)])}
+            gone, code = {}, exits.LOST_RANK
+            for r in others:
+                if store.check([self._key("words", r)]):
+                    c, _, text = store.get(self._key("words", r)).decode().partition("|")
+                    if text.startswith("lost "):  # a survivor like us, not the cause
+                        continue
+                    gone[r] = f"stopped: {text}"
+                    if int(c) in (exits.BAD_INPUT, exits.DIVERGED, exits.SAVE_FAILED):
+                        code = int(c)  # every rank then ends the same way
+                elif r in pending:
+                    gone[r] = "is not responding (killed, crashed, or its host is unreachable)"
+            if not gone:
+                for r in others:
+                    key = self._key("step", r)
+                    step = int(store.get(key)) if store.check([key]) else 0
+                    if step < self.step:
+                        gone[r] = f"is alive but stuck at step {step} (this rank is at {self.step})"
+            return gone, code
+        except Exception:
+            where = f"the rendezvous store at {self.host}:{self.port} is unreachable"
+            if self.agent_store:
+                return {-1: f"{where}: the launcher's host is gone"}, exits.LOST_RANK
+            return {0: f"is gone ({where}, and rank 0 hosted it)"}, exits.LOST_RANK
+
+
+def describe(gone: dict[int, str]) -> str:
+    return "; ".join(f"rank {r} {why}" if r >= 0 else why for r, why in sorted(gone.items()))
+
+
+_current: Liveness | None = None
+
+
+def start(rank: int, world: int) -> Liveness | None:
+    """Start this process's heartbeat (nothing in a world of one or without a launcher)."""
+    global _current
+    if world > 1 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        _current = Liveness(rank, world)
+    return _current
+
+
+def note_step(step: int) -> None:
+    if _current is not None:
+        _current.step = step
