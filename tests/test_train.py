@@ -151,6 +151,10 @@ def test_kill_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
     steps = [x["step"] for x in read_metrics(out)]
     assert steps[-4:] == [3, 4, 5, 6]
     assert (ckpts / "latest").read_text() == "step_00000006"
+    # the re-saved step 4 and the new step 6 carry a checksum for every file they list
+    for tag in ("step_00000004", "step_00000006"):
+        listing = json.loads((ckpts / tag / "complete.json").read_text())
+        assert set(listing["sha256"]) == set(listing["files"]) and len(listing["files"]) >= 5
 
 
 def test_gradient_accumulation_matches_a_bigger_micro_batch(tiny_data, tmp_path):
