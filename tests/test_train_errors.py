@@ -192,11 +192,11 @@ RUN_CASES = {
     # checkpoints
     "resume killed save": (
         lambda t, d: (["--resume", str(_checkpoint(t, complete=False))], {}),
-        "incomplete or corrupt",
+        "incomplete checkpoint (no complete.json: its save did not finish)",
     ),
     "resume truncated file": (
         lambda t, d: (["--resume", str(_checkpoint(t, truncate=True))], {}),
-        "incomplete or corrupt",
+        "mp_rank_00_model_states.pt is 50 bytes, 100 were written (truncated?)",
     ),
     "resume never over checkpoints": (
         lambda t, d: (_checkpoint(t) and ["--resume", "never"], {}),

@@ -69,11 +69,13 @@ def verify(folder: Path, hashes: bool = True, collective: bool = True) -> str | 
     """None when every file complete.json lists is there with its size and checksum (sha256;
     CRC-32 in listings from before sha256; none with hashes=False), else one line naming the
     first file that is not."""
+    if not (folder / COMPLETE).is_file():
+        return f"{folder}: incomplete checkpoint (no {COMPLETE}: its save did not finish)"
     try:
         listed = json.loads((folder / COMPLETE).read_text())
         sizes = listed["files"]
     except (OSError, ValueError, KeyError) as e:
-        return f"{folder}: incomplete checkpoint (no readable {COMPLETE}: {e})"
+        return f"{folder}: incomplete checkpoint (unreadable {COMPLETE}: {e})"
     kind, want = ("sha256", listed.get("sha256")) if "sha256" in listed else ("CRC-32", None)
     digest = sha256_file
     if want is None and hashes and "crc32" in listed:
