@@ -450,4 +450,4 @@ def test_restart_loop_stops_on_bad_input(tiny_data, tmp_path):
     )
     assert p.returncode == 2
     assert "restarting" not in p.stdout + p.stderr
-    assert "--lr must be positive" in p.stderr
+    assert "--lr must be 0 or more" in p.stderr

@@ -154,7 +154,7 @@ RUN_CASES = {
     # flags
     "steps 0": (lambda t, d: (["--steps", "0"], {}), "--steps must be at least 1"),
     "seq-len 1": (lambda t, d: (["--seq-len", "1"], {}), "--seq-len must be at least 2"),
-    "lr 0": (lambda t, d: (["--lr", "0"], {}), "--lr must be positive"),
+    "lr negative": (lambda t, d: (["--lr", "-1"], {}), "--lr must be 0 or more"),
     "dist-timeout negative": (
         lambda t, d: (["--dist-timeout", "-5"], {}),
         "--dist-timeout must be positive",

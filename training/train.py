@@ -323,7 +323,7 @@ def _check_flags_and_env(s: Settings, world: int) -> None:
     from training.config import ConfigError
 
     for flag, value, ok, need in (
-        ("--lr", s.lr, s.lr > 0, "positive"),
+        ("--lr", s.lr, s.lr >= 0, "0 or more"),
         ("--dist-timeout", s.dist_timeout, s.dist_timeout > 0, "positive (seconds)"),
         ("--max-bad-steps", s.max_bad_steps, s.max_bad_steps >= 1, "at least 1"),
         ("--save-every", s.save_every, s.save_every >= -1, "-1 (never), 0 (at the end) or more"),
