@@ -302,20 +302,18 @@ def _same(a: dict, b: dict) -> bool:
 FP32_ZERO0 = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 0}}
 
 
-@pytest.mark.parametrize("config", ["zero0", "zero2", "zero3", "fp32_zero0"])
+@pytest.mark.parametrize("config", ["zero0", "zero2", "zero3", "fp32_zero0", "ddp"])
 def test_a_skipped_step_leaves_weights_and_optimizer_untouched(tiny_data, tmp_path, config):
     if config == "fp32_zero0":  # a plain torch optimizer under DeepSpeed, no ZeRO wrapper
         (tmp_path / "c.json").write_text(json.dumps(FP32_ZERO0))
-        cfg = str(tmp_path / "c.json")
+        engine = ["--ds_config", str(tmp_path / "c.json")]
+    elif config == "ddp":  # a native engine skips by its own rule, in the same loop
+        engine = ["--backend", "ddp"]
     else:
-        cfg = f"ds_configs/{config}.json"
+        engine = ["--ds_config", f"ds_configs/{config}.json"]
     out = tmp_path / "run"
-    launch(
-        args(
-            tiny_data, out, "--ds_config", cfg, "--stop-at", "3", "--keep-last", "0", save_every=1
-        ),
-        env={"ZEROSTACK_TEST_NAN_STEPS": "3"},
-    )
+    extra = [*engine, "--stop-at", "3", "--keep-last", "0"]
+    launch(args(tiny_data, out, *extra, save_every=1), env={"ZEROSTACK_TEST_NAN_STEPS": "3"})
     s1, s2, s3 = (_state(out / "checkpoints" / f"step_0000000{i}") for i in (1, 2, 3))
     assert len(s2) > 10
     assert not _same(s1, s2)  # a normal step changes the state ...

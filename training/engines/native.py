@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from training.engines import StepResult
 from training.memory import state_bytes
+from training.nonfinite import poison
 from training.optim import adamw, param_groups
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -64,7 +65,8 @@ class NativeEngine:
             with self._autocast():
                 loss = self.model(input_ids=x, labels=y, shift_labels=y).loss
             # Mean over the accumulated micro-batches, as DeepSpeed's engine.backward does.
-            scaled = loss / self.grad_accum
+            # A non-finite loss gives non-finite gradients, which step() then skips.
+            scaled = poison(loss) / self.grad_accum
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.detach()
 
