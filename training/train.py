@@ -259,15 +259,16 @@ def _plan_with_fallback(s: Settings, ds_cfg: dict, world: int, rank: int, root: 
 
     older = [t for t in reversed(checkpoint.complete_tags(root)) if t < tag]
     candidates = [tag, *older] if s.resume == "auto" else [tag]
-    first = None
-    for t in candidates:
+    for t in candidates[:-1]:
         try:
-            return root, t, _plan_resume(s, ds_cfg, world, rank, root, t)
-        except checkpoint.CheckpointError as e:
-            first = first or e
-            if rank == 0 and t != candidates[-1]:
-                print(f"warning: {e}; trying the previous checkpoint", file=sys.stderr)
-    raise first
+            checkpoint.load_trainer_state(root, t)
+        except Exception as e:  # damaged beyond unpickling
+            if rank == 0:
+                warning = f"warning: {root / t}: unreadable trainer state ({e})"
+                print(f"{warning}; trying the previous checkpoint", file=sys.stderr)
+            continue
+        return root, t, _plan_resume(s, ds_cfg, world, rank, root, t)
+    return root, candidates[-1], _plan_resume(s, ds_cfg, world, rank, root, candidates[-1])
 
 
 def _plan_resume(s: Settings, ds_cfg: dict, world: int, rank: int, root: Path, tag: str) -> bool:
