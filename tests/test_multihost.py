@@ -1,0 +1,127 @@
+"""A real two-host job: `deepspeed --hostfile` over pdsh and ssh, one rank on each of two hosts
+made on this machine with network namespaces (launch/two_hosts.py), gloo over the veth link.
+
+Needs root, pdsh and openssh-server (.ci/run installs them); skipped, saying why, elsewhere.
+By hand: sudo .venv/bin/python -m launch.two_hosts --data DATA --out RUN --model tiny
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import free_port, launch, read_metrics
+
+from launch.two_hosts import TwoHosts, unavailable
+
+WHY = unavailable()
+pytestmark = pytest.mark.skipif(
+    WHY is not None, reason=f"two hosts on one machine: {WHY} (see README, Many hosts)"
+)
+
+FLAGS = [
+    "--model",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--micro-batch",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--eval-samples",
+    "8",
+    "--lr",
+    "3e-3",
+    "--warmup",
+    "2",
+    "--steps",
+    "4",
+    "--peak-tflops",
+    "1",
+]
+# One thread per rank on both layouts, so the 2-host and 1-host runs do the same arithmetic.
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+
+def _alive(pid: int) -> bool:
+    """A running process (a zombie waiting for its reparented parent to reap it is dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _gone(hosts: TwoHosts, pids: list[int]) -> None:
+    """Everything the hosts made is gone: namespaces, their /etc/netns entries, processes, keys."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for ns in hosts.ns:
+        assert ns not in listed
+        assert not (Path("/etc/netns") / ns).exists()
+    for pid in pids:
+        assert not _alive(pid), pid
+    for key in ("hostkey", "dotssh", "authorized_keys"):
+        assert not (hosts.workdir / key).exists()
+
+
+def test_two_host_job_matches_one_host_and_resumes_on_one(tiny_data, tmp_path):
+    run = tmp_path / "two_hosts"
+    with TwoHosts(workdir=tmp_path / "hosts") as hosts:
+        sshd = sorted(hosts.sshd_pids())
+        env = {
+            **THREADS,
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "DS_ENV_FILE": str(tmp_path / "deepspeed_env"),
+            "MASTER_PORT": str(free_port()),
+        }
+        args = ["--data", str(tiny_data), "--out", str(run), *FLAGS, "--stop-at", "2"]
+        p = hosts.run(
+            ["bash", "launch/hostfile.sh", str(hosts.hostfile), "node1", *args],
+            env=env,
+            timeout=900,
+        )
+    _gone(hosts, sshd)
+
+    # pdsh started one launcher per host; each rank ran in its own namespace (host name and
+    # address of that host) and read different data.
+    out = p.stdout + p.stderr
+    assert "node1: " in out and "node2: " in out
+    ranks = json.loads((run / "resolved_config.json").read_text())["ranks"]
+    assert [(r["rank"], r["host"], r["addr"]) for r in ranks] == [
+        (0, "node1", "10.77.0.1"),
+        (1, "node2", "10.77.0.2"),
+    ]
+    assert ranks[0]["first_batch_sha1"] != ranks[1]["first_batch_sha1"]
+    forwarded = (tmp_path / "deepspeed_env").read_text().splitlines()
+    assert {"GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1"} <= set(forwarded)
+
+    # The same job on one host gives the same losses.
+    ref = tmp_path / "one_host"
+    launch(["--data", str(tiny_data), "--out", str(ref), *FLAGS], env=THREADS)
+    two = [r["loss"] for r in read_metrics(run)]
+    one = [r["loss"] for r in read_metrics(ref)]
+    assert len(two) == 2 and two == pytest.approx(one[:2], rel=1e-6), (two, one)
+
+    # The 2-host checkpoint resumes on one host and continues the same trajectory.
+    r = launch(["--data", str(tiny_data), "--out", str(run), *FLAGS], env=THREADS)
+    assert "resumed from step_00000002" in r.stdout + r.stderr
+    resumed = [x["loss"] for x in read_metrics(run)]
+    assert [x["step"] for x in read_metrics(run)] == [1, 2, 3, 4]
+    assert resumed == pytest.approx(one, rel=1e-6), (resumed, one)
+
+
+def test_two_hosts_are_removed_when_the_job_fails(tmp_path):
+    """A failure inside leaves nothing behind: a process still running on node2, both sshd,
+    the namespaces and the keys all go."""
+    with pytest.raises(RuntimeError, match="boom"):
+        with TwoHosts(workdir=tmp_path / "hosts") as hosts:
+            sshd = sorted(hosts.sshd_pids())
+            hosts.run(["ssh", "node2", "nohup sleep 600 >/dev/null 2>&1 & echo $!"], timeout=30)
+            stray = hosts.namespace_pids() - set(sshd)
+            assert stray  # the sleeper on node2 (and its ssh session)
+            raise RuntimeError("boom")
+    _gone(hosts, sshd + sorted(stray))
