@@ -8,8 +8,8 @@ over ssh through pdsh, exactly as on a cluster.
 
 Needs root, `ip` (iproute2), `unshare`, and Debian's `pdsh`, `openssh-server` and `openssh-client`.
 Every address lives only inside the namespaces made here. Everything made here (namespaces, the
-veth pair, /etc/netns/<ns>/, sshd processes, the keys) is removed on exit, also on failure or
-Ctrl-C. The hosts share this machine's file system, so the repo, its .venv, the data and --out
+veth pair, /etc/netns/<ns>/, /run/netns if it was not there, sshd processes, the keys) is
+removed on exit, also on failure or Ctrl-C. The hosts share this machine's file system, so the repo, its .venv, the data and --out
 are at the same path on both, as a shared file system gives a real cluster.
 """
 
@@ -29,6 +29,17 @@ REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.77.0"
 TOOLS = {"ip": "iproute2", "unshare": "util-linux", "pdsh": "pdsh", "ssh": "openssh-client"}
 SSHD = "/usr/sbin/sshd"
+RUN_NETNS = Path("/run/netns")  # `ip netns add` makes it (a mount point) when missing
+
+
+def _drop_run_netns() -> None:
+    """Undo what the first `ip netns add` did to /run/netns, if no namespace is left in it."""
+    try:
+        if not any(RUN_NETNS.iterdir()):
+            subprocess.run(["umount", str(RUN_NETNS)], capture_output=True)
+            RUN_NETNS.rmdir()
+    except OSError:
+        pass
 
 
 def unavailable() -> str | None:
@@ -41,10 +52,14 @@ def unavailable() -> str | None:
     if missing:
         return "missing packages: " + " ".join(missing) + " (apt-get install -y ...)"
     name = f"zsprobe{os.getpid()}"
+    had_run_netns = RUN_NETNS.exists()
     p = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if p.returncode == 0:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    if not had_run_netns:
+        _drop_run_netns()
     if p.returncode != 0:
         return f"cannot make network namespaces here: {p.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
 
 
@@ -67,6 +82,7 @@ class TwoHosts:
         self._made_ns: list[str] = []
         self._made_dirs: list[Path] = []  # ours, with our files in them
         self._mount_points: list[Path] = []  # empty directories made for sshd or a bind mount
+        self._made_run_netns = False
         self.hostfile = self.workdir / "hostfile"
         self.dotssh = self.workdir / "dotssh"
 
@@ -94,6 +110,7 @@ class TwoHosts:
 
     def _network(self) -> None:
         n1, n2 = self.ns
+        self._made_run_netns = not RUN_NETNS.exists()
         for ns in self.ns:
             self._sh("ip", "netns", "add", ns)
             self._made_ns.append(ns)
@@ -300,6 +317,8 @@ class TwoHosts:
         for ns in self._made_ns:  # deleting a namespace deletes its end of the veth, and so both
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made_ns.clear()
+        if self._made_run_netns:
+            _drop_run_netns()
         for d in self._made_dirs:
             shutil.rmtree(d, ignore_errors=True)
         self._made_dirs.clear()

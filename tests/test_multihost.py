@@ -8,11 +8,12 @@ By hand: sudo .venv/bin/python -m launch.two_hosts --data DATA --out RUN --model
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import free_port, launch, read_metrics
+from conftest import PY, REPO, free_port, launch, read_metrics
 
 from launch.two_hosts import TwoHosts, unavailable
 
@@ -68,27 +69,45 @@ def _gone(hosts: TwoHosts, pids: list[int]) -> None:
         assert not (hosts.workdir / key).exists()
 
 
+def _scheduler(tmp_path: Path) -> dict:
+    """What a SLURM allocation of node1 and node2 shows the batch script: its variables, and an
+    `scontrol show hostnames` that expands the node list (the scheduler is not under test)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "node1\\nnode2\\n"\n')
+    scontrol.chmod(0o755)
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "SLOTS_PER_NODE": "1",
+    }
+
+
 def test_two_host_job_matches_one_host_and_resumes_on_one(tiny_data, tmp_path):
+    """The SLURM batch script on a 2-node allocation: it writes the hostfile and runs
+    launch/hostfile.sh, which runs `deepspeed --hostfile` (pdsh, ssh) from node1."""
     run = tmp_path / "two_hosts"
     with TwoHosts(workdir=tmp_path / "hosts") as hosts:
         sshd = sorted(hosts.sshd_pids())
         env = {
             **THREADS,
+            **_scheduler(tmp_path),
             "GLOO_SOCKET_IFNAME": "eth0",
             "DS_ENV_FILE": str(tmp_path / "deepspeed_env"),
             "MASTER_PORT": str(free_port()),
+            "VENV": str(Path(PY).parent.parent),  # the virtualenv running these tests
         }
         args = ["--data", str(tiny_data), "--out", str(run), *FLAGS, "--stop-at", "2"]
-        p = hosts.run(
-            ["bash", "launch/hostfile.sh", str(hosts.hostfile), "node1", *args],
-            env=env,
-            timeout=900,
-        )
+        p = hosts.run(["bash", "launch/slurm.sbatch", *args], env=env, timeout=900)
     _gone(hosts, sshd)
 
     # pdsh started one launcher per host; each rank ran in its own namespace (host name and
     # address of that host) and read different data.
     out = p.stdout + p.stderr
+    assert "node1 slots=1\nnode2 slots=1" in out  # the hostfile, from the allocation
+    assert "pdsh -S -f 1024 -w node1,node2" in out
     assert "node1: " in out and "node2: " in out
     ranks = json.loads((run / "resolved_config.json").read_text())["ranks"]
     assert [(r["rank"], r["host"], r["addr"]) for r in ranks] == [
