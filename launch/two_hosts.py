@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -63,6 +64,24 @@ def unavailable() -> str | None:
     return None
 
 
+def reap_stale() -> None:
+    """Remove the namespaces (and what ran in them, and their /etc/netns entries) of an earlier
+    TwoHosts whose process is gone without cleaning up (killed with SIGKILL, say)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for ns in re.findall(r"^(zs(\d+)n[12])\b", listed, flags=re.M):
+        name, pid = ns[0], int(ns[1])
+        if pid == os.getpid() or Path(f"/proc/{pid}").exists():
+            continue  # its owner still runs
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+        for p in pids.stdout.split():
+            try:
+                os.kill(int(p), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+
+
 class TwoHosts:
     """Context manager: `with TwoHosts() as hosts: hosts.run([...])` runs a command on node1.
 
@@ -71,13 +90,12 @@ class TwoHosts:
 
     names = ("node1", "node2")
 
-    def __init__(self, workdir: str | os.PathLike | None = None, verbose: bool = False):
-        tag = f"zs{os.getpid() % 100000}"
-        self.ns = [f"{tag}n{i + 1}" for i in range(2)]  # namespace (and veth) names, <= 15 chars
+    def __init__(self, workdir: str | os.PathLike | None = None):
+        # namespace (and veth) names, <= 15 characters, carrying our pid: see reap_stale()
+        self.ns = [f"zs{os.getpid()}n{i + 1}" for i in range(2)]
         self.addrs = [f"{SUBNET}.{i + 1}" for i in range(2)]
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="zs-two-hosts-"))
-        self.verbose = verbose
         self._sshd: list[subprocess.Popen] = []
         self._made_ns: list[str] = []
         self._made_dirs: list[Path] = []  # ours, with our files in them
@@ -89,6 +107,7 @@ class TwoHosts:
     # -- set up -------------------------------------------------------------------------------
     def __enter__(self) -> TwoHosts:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        reap_stale()
         try:
             self._network()
             self._keys()
@@ -316,6 +335,8 @@ class TwoHosts:
         self._kill_namespace_processes()
         for ns in self._made_ns:  # deleting a namespace deletes its end of the veth, and so both
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if self._made_ns:  # a veth pair that never made it into the namespaces
+            subprocess.run(["ip", "link", "del", self.ns[0]], capture_output=True)
         self._made_ns.clear()
         if self._made_run_netns:
             _drop_run_netns()
@@ -341,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Make two hosts on this machine and run a 2-rank `deepspeed --hostfile` "
         "training job across them (launch/hostfile.sh), one rank per host.",
         epilog="Other arguments go to training/train.py (e.g. --data DIR --out RUN --model tiny).",
+        allow_abbrev=False,  # so no train.py flag is taken for an abbreviation of ours
     )
     p.add_argument("--shell", action="store_true", help="open a shell on node1 instead")
     p.add_argument("--timeout", type=float, default=1800)
