@@ -63,9 +63,11 @@ def test_nvme_offload_trains_like_no_offload(tiny_data, tmp_path):
     assert zo["offload_param"]["nvme_path"] == str(tmp_path / "swap")
     assert zo["offload_optimizer"]["nvme_path"] == str(tmp_path / "swap")
     assert isinstance(zo["offload_param"]["buffer_size"], int)
-    # The states really went to disk, one folder per rank.
-    swapped = {p.parent.name for p in (tmp_path / "swap").rglob("*.swp")}
-    assert {"rank0", "rank1"} <= swapped, sorted((tmp_path / "swap").rglob("*"))
+    # DeepSpeed's swappers made their per-rank folders there (it deletes the swap files
+    # themselves when the engine goes away).
+    stage3 = tmp_path / "swap" / "zero_stage_3"
+    for kind in ("optimizer", "bfloat16params"):
+        assert {p.name for p in (stage3 / kind).iterdir()} == {"rank0", "rank1"}
     # Same optimizer (DeepSpeed's CPU Adam) with the states in memory: the same losses.
     assert runs["zero3_nvme"] == pytest.approx(runs["zero3_offload"], rel=1e-6, abs=0)
     # And within bf16 rounding of ZeRO-3 without any offload (torch's AdamW on the device).
