@@ -318,18 +318,12 @@ def resolve_config(path: str | Path, shape: ModelShape, world: int, micro_batch:
     """A ds_config file resolved as the trainer would (its flag defaults, this world size):
     bad files and combinations raise ConfigError."""
     from training import config as C
-    from training import nvme
     from training.train import parser
 
     flags = vars(parser().parse_args(["--data", "-", "--out", "-"]))
     flags["micro_batch"] = micro_batch
-    raw = nvme.apply(
-        C.load_json(path),
-        nvme_path=None,
-        default_path=Path("nvme_swap"),
-        largest_param=shape.largest_layer,
-        source=str(path),
-    )
+    flags["nvme_buffer_size"] = max(shape.largest_layer, 1 << 20)
+    raw = C.load_json(path)
     return C.resolve(raw, world=world, flags=flags, hidden_size=shape.hidden, source=str(path))
 
 

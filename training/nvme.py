@@ -1,8 +1,9 @@
 """ZeRO-Infinity: parameters and optimizer states swapped to a local disk (NVMe) path.
 
-`ds_configs/zero3_nvme.json` says "nvme_path": "auto"; the trainer fills it from --nvme-path
-(default RUN/nvme_swap), sizes the parameter swap buffers from the model, and checks before any
-work that DeepSpeed's async_io op can be built here (it needs libaio's headers: Debian's
+`ds_configs/zero3_nvme.json` says "nvme_path": "auto"; config.resolve fills it with what
+`auto_values` gives (--nvme-path, default RUN/nvme_swap) and sizes the parameter swap buffers
+from the model. --nvme-path also overrides a path written in the file. The trainer checks before
+any work that DeepSpeed's async_io op can be built here (it needs libaio's headers: Debian's
 libaio-dev). The op compiles on first use (about 6 minutes on 2 cores) into
 ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) and loads from there afterwards.
 """
@@ -23,34 +24,31 @@ def nvme_sections(cfg: dict) -> list[str]:
     return [s for s in SECTIONS if str(zo.get(s, {}).get("device", "none")).lower() == "nvme"]
 
 
-def apply(
-    cfg: dict, *, nvme_path: str | None, default_path: Path, largest_param: int, source: str
-) -> dict:
-    """Fill nvme_path (from --nvme-path, which overrides the file, else "auto" -> default_path)
-    and an "auto" offload_param.buffer_size; returns a new config. --nvme-path with a config
-    that offloads nothing to nvme is an error."""
+def override_path(cfg: dict, nvme_path: str | None, source: str) -> dict:
+    """--nvme-path overrides nvme_path in every nvme offload section (the file's value, "auto"
+    or not); given with a config that offloads nothing to nvme, it is an error."""
+    if nvme_path is None:
+        return cfg
     sections = nvme_sections(cfg)
-    if nvme_path is not None and not sections:
+    if not sections:
         raise ConfigError(
             f"{source}: --nvme-path given but the config offloads nothing to nvme; use "
             "ds_configs/zero3_nvme.json (or set an offload device to nvme)"
         )
-    if not sections:
-        return cfg
     cfg = copy.deepcopy(cfg)
-    zo = cfg["zero_optimization"]
     for name in sections:
-        sec = zo[name]
-        if nvme_path is not None:
-            sec["nvme_path"] = str(Path(nvme_path).resolve())
-        elif sec.get("nvme_path", "auto") == "auto":
-            sec["nvme_path"] = str(default_path.resolve())
-    par = zo.get("offload_param", {})
-    if "offload_param" in sections and par.get("buffer_size") == "auto":
-        # Each buffer must hold the largest parameter; DeepSpeed's default (1e8 elements x
-        # buffer_count) is gigabytes of host memory, wasted on a small model.
-        par["buffer_size"] = max(largest_param, 1 << 20)
+        cfg["zero_optimization"][name]["nvme_path"] = str(Path(nvme_path).resolve())
     return cfg
+
+
+def auto_values(nvme_path: str | None, run_dir: Path, model_cfg) -> dict:
+    """The values config.resolve gives nvme's "auto"s: the swap folder, and a parameter swap
+    buffer just big enough for the largest parameter (DeepSpeed's default, 1e8 elements per
+    buffer, is gigabytes of host memory wasted on a small model)."""
+    return {
+        "nvme_path": str(Path(nvme_path or run_dir / "nvme_swap").resolve()),
+        "nvme_buffer_size": max(largest_param_numel(model_cfg), 1 << 20),
+    }
 
 
 def check_aio(source: str) -> None:

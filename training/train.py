@@ -201,15 +201,10 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
     raw = config.load_json(cfg_path)
     manifest = load_manifest(s.data)
     model_cfg = _model_config(s.model, manifest.vocab_size)
-    raw = nvme.apply(
-        raw,
-        nvme_path=s.nvme_path,
-        default_path=Path(s.out) / "nvme_swap",
-        largest_param=nvme.largest_param_numel(model_cfg),
-        source=cfg_path,
-    )
+    raw = nvme.override_path(raw, s.nvme_path, cfg_path)
+    flags = {**vars(s), **nvme.auto_values(s.nvme_path, Path(s.out), model_cfg)}
     ds_cfg = config.resolve(
-        raw, world=world, flags=vars(s), hidden_size=model_cfg.hidden_size, source=cfg_path
+        raw, world=world, flags=flags, hidden_size=model_cfg.hidden_size, source=cfg_path
     )
     if s.backend == "deepspeed" and nvme.nvme_sections(ds_cfg):
         nvme.check_aio(cfg_path)
