@@ -7,7 +7,7 @@
 # --out on storage all hosts see; RDZV_HOST (any one of the hosts, by a name or address all of
 # them reach) accepting TCP on RDZV_PORT (29400); the same RDZV_ID for one job and a new one for
 # the next. Set GLOO_SOCKET_IFNAME (CPUs) or NCCL_SOCKET_IFNAME (GPUs) to the interface between
-# the hosts when they have several.
+# the hosts when they have several. VENV=DIR names another virtualenv than this repo's .venv.
 # Restarts a failed job up to MAX_RESTARTS times; each restart resumes from the latest
 # complete checkpoint in --out.
 set -euo pipefail
@@ -19,4 +19,4 @@ if [ "${NNODES:-1}" -gt 1 ]; then
 else
   args+=(--standalone)
 fi
-exec .venv/bin/torchrun "${args[@]}" training/train.py "$@"
+exec "${VENV:-.venv}/bin/torchrun" "${args[@]}" training/train.py "$@"

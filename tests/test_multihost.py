@@ -141,6 +141,44 @@ def test_two_host_job_matches_one_host_and_resumes_on_one(tiny_data, tmp_path):
     assert resumed[2:] == pytest.approx(one[2:], rel=1e-4), (resumed, one)
 
 
+def test_torchrun_on_two_hosts(tiny_data, tmp_path):
+    """launch/torchrun.sh started on each host, meeting through c10d rendezvous on node1."""
+    run = tmp_path / "torchrun"
+    env = {
+        **os.environ,
+        **THREADS,
+        "NNODES": "2",
+        "RDZV_HOST": "node1",
+        "RDZV_ID": f"zs-test-{os.getpid()}",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "VENV": str(Path(PY).parent.parent),
+    }
+    cmd = ["bash", "launch/torchrun.sh", "1", "--data", str(tiny_data), "--out", str(run)]
+    cmd += [*FLAGS, "--steps", "2", "--save-every", "-1"]  # the last --steps wins
+    with TwoHosts(workdir=tmp_path / "hosts") as hosts:
+        node2 = subprocess.Popen(
+            hosts.command(cmd, host=1),
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            hosts.run(cmd, env=env, timeout=600)
+            node2_out, _ = node2.communicate(timeout=120)
+        finally:
+            if node2.poll() is None:
+                node2.kill()
+        assert node2.returncode == 0, node2_out[-3000:]
+    ranks = json.loads((run / "resolved_config.json").read_text())["ranks"]
+    assert sorted((r["host"], r["addr"]) for r in ranks) == [
+        ("node1", "10.77.0.1"),
+        ("node2", "10.77.0.2"),
+    ]
+    assert len(read_metrics(run)) == 2
+
+
 def test_two_hosts_are_removed_when_the_job_fails(tmp_path):
     """A failure inside leaves nothing behind: a process still running on node2, both sshd,
     the namespaces and the keys all go."""
