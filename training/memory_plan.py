@@ -119,8 +119,10 @@ def model_shape(spec: str, vocab_size: int | None = None) -> ModelShape:
         raise ModelError(f"--model {spec}: not a preset ({', '.join(PRESETS)}) and not a folder")
     with torch.device("meta"):
         model = build()
-    unique = {id(p): p.numel() for p in model.parameters()}  # tied weights count once
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    # ds_numel: a ZeRO-3 model alive in this process makes transformers build under zero.Init
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
+    unique = {id(p): numel(p) for p in model.parameters()}  # tied weights count once
+    largest = max(sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules())
     hidden = cfg.hidden_size  # HF configs map their own names (n_embd, ...) onto these
     return ModelShape(
         name=spec,
