@@ -92,8 +92,9 @@ class Plan:
 
     @property
     def model_states(self) -> int:
-        """Parameters, gradients, optimizer states and reduce buckets, wherever they live."""
-        return self.total(categories=STATE_CATEGORIES)
+        """Parameters, gradients, optimizer states and reduce buckets in memory (device and
+        host: what `engine.state_bytes()` counts), leaving out what is swapped to NVMe."""
+        return sum(self.total(loc, STATE_CATEGORIES) for loc in ("device", "host"))
 
 
 # ---------------------------------------------------------------------------- the model
@@ -133,6 +134,33 @@ def model_shape(spec: str, vocab_size: int | None = None) -> ModelShape:
         intermediate=getattr(cfg, "intermediate_size", None) or 4 * hidden,
         vocab=cfg.vocab_size,
     )
+
+
+def shape_of_run(resolved: dict) -> ModelShape:
+    """The ModelShape of a run, from its resolved_config.json (no model is built)."""
+    c = resolved["model_config"]
+    h, inter = c["hidden_size"], c.get("intermediate_size") or 4 * c["hidden_size"]
+    return ModelShape(
+        name=str(resolved["flags"]["model"]),
+        params=int(resolved["n_params"]),
+        largest_layer=max(c["vocab_size"] * h, inter * h),
+        layers=c["num_hidden_layers"],
+        hidden=h,
+        intermediate=inter,
+        vocab=c["vocab_size"],
+    )
+
+
+def planned_model_states(resolved: dict) -> int | None:
+    """The plan's model-state bytes per rank for a DeepSpeed run's resolved_config.json (None for
+    other backends): what benchmarks/compare puts beside the measured count."""
+    if resolved["flags"].get("backend", "deepspeed") != "deepspeed":
+        return None
+    try:
+        shape = shape_of_run(resolved)
+    except KeyError:  # a model config without Llama-style names (GPT-2's n_embd, ...)
+        return None
+    return plan(shape, resolved["ds_config"], resolved["world"]).model_states
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -377,7 +405,9 @@ def report(p: Plan, cap: Capacity) -> str:
         lines.append(f"  {names[c]:<20}{cells}")
     totals = "".join(f"{_fmt(p.total(loc)):>12}" for loc in LOCATIONS)
     lines.append(f"  {'total':<20}{totals}")
-    lines.append(f"  model states (params + grads + optimizer + buckets): {_fmt(p.model_states)}")
+    lines.append(
+        f"  model states in memory (params + grads + optimizer + buckets): {_fmt(p.model_states)}"
+    )
     if p.deepspeed_estimate:
         e = p.deepspeed_estimate
         lines.append(

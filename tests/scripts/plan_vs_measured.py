@@ -4,10 +4,10 @@
 
 CONFIG is a ds_configs name (zero0 ... zero3; ZeRO-3 ones last: transformers builds every later
 model partitioned while a ZeRO-3 one lives). For each, in one process group: the trainer's own
-config rule, model factory and DeepSpeed engine, micro-batch 1 x 2 accumulation steps, and the
-bytes of model states this rank holds after the first micro-batch of the second step (gradients
-and optimizer states both exist then), counted by walking the engine's own objects: every tensor
-storage reachable from the model's parameters and the DeepSpeed optimizer, once each. Rank 0 writes
+config rule, model factory and DeepSpeed engine, micro-batch 1 x 2 accumulation steps, and
+`engine.state_bytes()` (training/memory.py, the count the training loop logs and
+benchmarks/compare reports) after the first micro-batch of the second step, where the loop
+measures: gradients and optimizer states both exist then. Rank 0 writes
 {config: {"measured": [rank 0, rank 1, ...], "plan": training.memory_plan's per-rank plan}}.
 """
 
@@ -31,63 +31,6 @@ from training.engines import build_engine  # noqa: E402
 from training.train import REPO, Settings, parser  # noqa: E402
 
 
-def state_bytes(module, optimizer) -> dict:
-    """{"params", "grads", "optimizer", "buffers", "total"}: bytes of the distinct storages behind
-    the parameters (ZeRO-3: their partitions), their gradients, and everything reachable from the
-    optimizer (flat fp32 partitions, Adam's moments, gradient partitions, reduce buckets)."""
-    seen: dict[tuple, tuple[str, int]] = {}
-
-    def add(t, category: str) -> None:
-        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-            key = (t.device, t.untyped_storage().data_ptr())
-            seen.setdefault(key, (category, t.untyped_storage().nbytes()))
-
-    params = list(module.parameters())
-    for p in params:
-        add(getattr(p, "ds_tensor", None), "params")
-        add(p, "params")
-    for p in params:
-        add(p.grad, "grads")
-    visited: set[int] = set()
-
-    def walk(obj, name: str, depth: int) -> None:
-        if depth > 8 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-            return
-        if isinstance(obj, torch.Tensor):
-            low = name.lower()
-            kind = (
-                "buffers"
-                if "ipg" in low or "bucket" in low
-                else "grads"
-                if "grad" in low
-                else "optimizer"
-            )
-            add(obj, kind)
-            add(obj.grad, "grads")
-            return
-        if id(obj) in visited or isinstance(obj, torch.nn.Module):
-            return
-        visited.add(id(obj))
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{name}.{k}" if isinstance(k, str) else name, depth + 1)
-        elif isinstance(obj, (list, tuple, set)):
-            for v in obj:
-                walk(v, name, depth + 1)
-        elif type(obj).__module__.startswith(("deepspeed", "torch.optim")) and hasattr(
-            obj, "__dict__"
-        ):
-            for k, v in vars(obj).items():
-                walk(v, f"{name}.{k}", depth + 1)
-
-    walk(optimizer, "", 0)
-    out = dict.fromkeys(("params", "grads", "optimizer", "buffers"), 0)
-    for category, nbytes in seen.values():
-        out[category] += nbytes
-    out["total"] = sum(out.values())
-    return out
-
-
 def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
     argv = ["--data", data, "--out", "-", "--model", model, "--micro-batch", "1"]
     s = Settings(**vars(parser().parse_args([*argv, "--grad-accum", "2"])))
@@ -104,7 +47,7 @@ def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
     for step in range(2):
         engine.forward_backward(x, x, boundary=False)
         if step == 1:
-            measured = state_bytes(engine.engine.module, engine.engine.optimizer)
+            measured = engine.state_bytes()
         engine.forward_backward(x, x, boundary=True)
         engine.step()
     del engine, net
@@ -121,9 +64,7 @@ def main() -> None:
     results = {}
     for name in configs:
         measured, plan = measure(name, data, model, dist)
-        per_rank = [None] * dist.world
-        torch.distributed.all_gather_object(per_rank, measured)
-        results[name] = {"measured": per_rank, "plan": plan}
+        results[name] = {"measured": D.all_gather_object(measured), "plan": plan}
     if dist.is_main:
         Path(out_path).write_text(json.dumps(results, indent=1))
     D.teardown()
