@@ -42,10 +42,8 @@ CASES = {
         'cannot resolve "auto" for zero_optimization.sub_group_size',
     ),
     "fp16+bf16": ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
-    "pipeline+zero2": (
-        {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}},
-        "ZeRO stage 0 or 1",
-    ),
+    "pipeline+zero2": ({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}},
+                       "ZeRO stage 0 or 1"),
     "offload w/o optimizer": (
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
         '"optimizer" section',
