@@ -162,7 +162,7 @@ def run(
         if settings.eval_every and state.step % settings.eval_every == 0:
             do_eval()
             t_last = time.perf_counter()  # keep eval time out of tokens/s
-        if settings.save_every and state.step % settings.save_every == 0:
+        if settings.save_every > 0 and state.step % settings.save_every == 0:
             do_save()
             t_last = time.perf_counter()
         elif settings.stop_at and state.step >= settings.stop_at:
@@ -174,7 +174,7 @@ def run(
     if not (settings.eval_every and state.step % settings.eval_every == 0):
         do_eval()
     if (
-        not (settings.save_every and state.step % settings.save_every == 0)
+        not (settings.save_every > 0 and state.step % settings.save_every == 0)
         and settings.save_every >= 0
     ):
         do_save()
