@@ -110,12 +110,15 @@ def summarize(run_dir: Path, name: str) -> dict:
     states = next((r for r in recs if r["kind"] == "state_bytes"), {})
     evals = [r for r in recs if r["kind"] == "eval"]
     resolved = json.loads((Path(run_dir) / "resolved_config.json").read_text())
+    from training.memory_plan import planned_model_states
+
     return {
         "name": name,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "mfu": statistics.median(r["mfu"] for r in timed),
         "peak_mem_gb": max(r["peak_mem_gb"] for r in train),
         "states": {k[: -len("_bytes")]: v for k, v in states.items() if k.endswith("_bytes")},
+        "planned_states": planned_model_states(resolved),
         "loss": train[-1]["loss"],
         "val_loss": evals[-1]["val_loss"] if evals else None,
         "curve": [(r["step"], r["loss"]) for r in train],
@@ -263,14 +266,14 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "between runs.",
         "",
         "| engine | precision | tokens/s | vs DDP | MFU | peak memory / rank (GiB) | "
-        "params | grads | optimizer | buffers | model states / rank (MiB) | train loss | "
-        "val loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "params | grads | optimizer | buffers | model states / rank (MiB) | planned (MiB) | "
+        "train loss | val loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         label = _label(r["name"])
         if "error" in r:
-            lines.append(f"| {label} | | not run: {r['error']} |" + " |" * 10)
+            lines.append(f"| {label} | | not run: {r['error']} |" + " |" * 11)
             continue
         st = r.get("states", {})
         vs = f"{r['tokens_per_s'] / ddp:.2f}x" if ddp else ""
@@ -279,6 +282,7 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
             f"{r['mfu']:.1%} | {r['peak_mem_gb']:.2f} | {_mib(st.get('params'))} | "
             f"{_mib(st.get('grads'))} | {_mib(st.get('optimizer'))} | "
             f"{_mib(st.get('buffers'))} | {_mib(st.get('total'))} | "
+            f"{_mib(r.get('planned_states'))} | "
             + (f"{r['loss']:.4f} | " if "loss" in r else " | ")
             + (f"{r['val_loss']:.4f} |" if r.get("val_loss") is not None else " |")
         )
@@ -326,7 +330,10 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "grads, Adam); ZeRO-0 2N + 2N + 12N (bf16 weights and grads, fp32 master + Adam); "
         "ZeRO-1 halves the 12N, ZeRO-2 also the grads, ZeRO-3 also the weights; FSDP2 halves "
         "all of DDP's. The offload configs keep their optimizer states in host memory (the same "
-        "memory on a CPU-only machine) and add fp32 gradient partitions for the CPU optimizer.",
+        "memory on a CPU-only machine) and add fp32 gradient partitions for the CPU optimizer. "
+        "`planned` is what `python -m training.memory_plan` expects for the same model, config "
+        "and world before anything runs (tests/test_memory_plan.py holds it within 25% of the "
+        "count for ZeRO 0-3).",
         "",
         "![model states and peak memory per rank](comparison_memory.png)",
         "",

@@ -1,25 +1,50 @@
 #!/usr/bin/env bash
-# Many hosts through DeepSpeed's launcher (pdsh over ssh by default).
+# Many hosts through DeepSpeed's launcher: pdsh over ssh by default (LAUNCHER=openmpi for MPI).
 #   launch/hostfile.sh HOSTFILE MASTER_ADDR [train.py flags...]
+#   GLOO_SOCKET_IFNAME=eth0 launch/hostfile.sh launch/hostfile.example node1 \
+#       --ds_config ds_configs/zero3.json --data DATA --out RUN
 #
-# Needs on every host: this repo at the same path with its .venv (bash setup.sh), passwordless
-# ssh from the launching host, and pdsh on the launching host. The data folder and --out must
-# be on storage every host sees (or the same path on each).
+# Needs on the launching host: pdsh (apt-get install pdsh) and passwordless ssh to every host in
+# HOSTFILE, under the names written there (DeepSpeed checks `ssh HOST hostname` first).
+# Needs on every host: sshd, this repo at the same path with its .venv (bash setup.sh), and the
+# data folder and --out on storage every host sees (or the same path on each). MASTER_ADDR is
+# the first host's name or address as the other hosts reach it.
 #
-# Environment: the launcher forwards only a few variable prefixes to remote ranks, so put what
-# the ranks need into ./.deepspeed_env (one NAME=value a line). This script writes the usual
-# ones there if they are set here:
-#   GPUs:  NCCL_SOCKET_IFNAME (the interface between hosts), NCCL_IB_DISABLE, NCCL_DEBUG=INFO
-#   CPUs:  GLOO_SOCKET_IFNAME (gloo picks the hostname's interface otherwise), OMP_NUM_THREADS
+# HOSTFILE: one line per host, "NAME slots=N" (N ranks there: GPUs, or processes on a CPU host);
+# see launch/hostfile.example. Each host runs `deepspeed.launcher.launch` with --node_rank from
+# its line's position, so every rank gets RANK, LOCAL_RANK and WORLD_SIZE.
+#
+# Environment: the launcher forwards only variables starting with PYTHON, MV2, UCX or MLFLOW to
+# remote ranks, plus the NAME=value lines of an env file: ./.deepspeed_env (or the file named by
+# DS_ENV_FILE). This script writes that file afresh at every launch from the variables below that
+# are set here, plus any names listed in FORWARD_VARS:
+#   GPUs:  NCCL_SOCKET_IFNAME (the interface between hosts), NCCL_IB_DISABLE, NCCL_DEBUG
+#   CPUs:  GLOO_SOCKET_IFNAME (gloo otherwise picks the interface of the hostname), OMP_NUM_THREADS
+#   all:   TORCH_EXTENSIONS_DIR (DeepSpeed's compiled ops), HF_HOME, HF_HUB_OFFLINE, WANDB_MODE,
+#          TOKENIZERS_PARALLELISM
+# Remote ranks run with the same virtualenv activated (--venv_script), so they find its tools:
+# this repo's .venv, or VENV=DIR.
+# Stopping: Ctrl-C makes DeepSpeed's runner run `pkill -f training/train.py` on every host.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-hostfile=${1:?usage: launch/hostfile.sh HOSTFILE MASTER_ADDR [train flags...]}
-master=${2:?usage: launch/hostfile.sh HOSTFILE MASTER_ADDR [train flags...]}
+usage="usage: launch/hostfile.sh HOSTFILE MASTER_ADDR [train flags...]"
+hostfile=${1:?$usage}
+master=${2:?$usage}
 shift 2
-: > .deepspeed_env.new
-for v in NCCL_SOCKET_IFNAME NCCL_IB_DISABLE NCCL_DEBUG GLOO_SOCKET_IFNAME OMP_NUM_THREADS PYTHONPATH; do
-  [ -n "${!v:-}" ] && echo "$v=${!v}" >> .deepspeed_env.new
+[ -f "$hostfile" ] || { echo "error: hostfile not found: $hostfile" >&2; exit 2; }
+command -v pdsh >/dev/null || [ -n "${LAUNCHER:-}" ] || {
+  echo "error: pdsh not found on this host (apt-get install pdsh), or set LAUNCHER=openmpi" >&2
+  exit 2
+}
+venv=$(cd "${VENV:-.venv}" && pwd)
+env_file=${DS_ENV_FILE:-.deepspeed_env}
+: > "$env_file.new"
+for v in NCCL_SOCKET_IFNAME NCCL_IB_DISABLE NCCL_DEBUG GLOO_SOCKET_IFNAME OMP_NUM_THREADS \
+  TORCH_EXTENSIONS_DIR HF_HOME HF_HUB_OFFLINE WANDB_MODE TOKENIZERS_PARALLELISM ${FORWARD_VARS:-}; do
+  if [ -n "${!v:-}" ]; then echo "$v=${!v}" >> "$env_file.new"; fi
 done
-mv .deepspeed_env.new .deepspeed_env
-exec .venv/bin/deepspeed --hostfile "$hostfile" --master_addr "$master" \
-  --master_port "${MASTER_PORT:-29500}" ${LAUNCHER:+--launcher "$LAUNCHER"} training/train.py "$@"
+mv "$env_file.new" "$env_file"
+export DS_ENV_FILE="$env_file"
+exec "$venv/bin/deepspeed" --hostfile "$hostfile" --master_addr "$master" \
+  --master_port "${MASTER_PORT:-29500}" --venv_script "$venv/bin/activate" \
+  ${LAUNCHER:+--launcher "$LAUNCHER"} training/train.py "$@"

@@ -2,6 +2,12 @@
 # torchrun on one host, or on many with c10d rendezvous. Same train.py, any --backend.
 #   launch/torchrun.sh NUM_RANKS_PER_HOST [train.py flags...]
 #   NNODES=2 RDZV_HOST=node1 launch/torchrun.sh 8 --backend fsdp --data ... --out ...   (run on every host)
+# Many hosts (c10d rendezvous, no ssh): start the same command on every host, within a few
+# minutes of each other. Needs on every host: this repo with its .venv at any path, the data, and
+# --out on storage all hosts see; RDZV_HOST (any one of the hosts, by a name or address all of
+# them reach) accepting TCP on RDZV_PORT (29400); the same RDZV_ID for one job and a new one for
+# the next. Set GLOO_SOCKET_IFNAME (CPUs) or NCCL_SOCKET_IFNAME (GPUs) to the interface between
+# the hosts when they have several. VENV=DIR names another virtualenv than this repo's .venv.
 # Restarts a failed job up to MAX_RESTARTS times; each restart resumes from the latest
 # complete checkpoint in --out. SIGTERM, SIGUSR1 or Ctrl-C to torchrun reach every rank, which
 # saves a checkpoint at the next step boundary and exits (75); torchrun waits SHUTDOWN_TIMEOUT
@@ -17,4 +23,4 @@ if [ "${NNODES:-1}" -gt 1 ]; then
 else
   args+=(--standalone)
 fi
-exec .venv/bin/torchrun "${args[@]}" training/train.py "$@"
+exec "${VENV:-.venv}/bin/torchrun" "${args[@]}" training/train.py "$@"

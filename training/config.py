@@ -179,6 +179,11 @@ def resolve(
         "zero_optimization.allgather_bucket_size": max(hidden_size * hidden_size, 50_000_000),
         "bf16.enabled": True,
         "fp16.enabled": False,
+        # ZeRO-Infinity: the swap folder (--nvme-path, default RUN/nvme_swap) and a parameter
+        # swap buffer that holds the largest parameter (training/nvme.py)
+        "zero_optimization.offload_optimizer.nvme_path": flags.get("nvme_path") or "nvme_swap",
+        "zero_optimization.offload_param.nvme_path": flags.get("nvme_path") or "nvme_swap",
+        "zero_optimization.offload_param.buffer_size": flags.get("nvme_buffer_size") or 10**8,
     }
     for path, _value in _auto_paths(cfg):
         if path not in autos or autos[path] is None or autos[path] == [None, None]:

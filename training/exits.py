@@ -47,6 +47,7 @@ def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
     from pathlib import Path
 
     from training import checkpoint, liveness, signals
+    from training.cluster import LaunchError
 
     stop = signals.install(rank)
     live = liveness.start(rank, world)
@@ -69,6 +70,10 @@ def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
         say(f"error: {e}")
         _teardown()
         return DIVERGED if isinstance(e, Diverged) else BAD_INPUT
+    except LaunchError as e:  # this rank's launcher environment is wrong: it speaks for itself
+        signals.ignore_from_now()
+        say(f"error: rank {rank}: {e}", everyone=True)
+        return BAD_INPUT
     except Exception as e:
         gone, code = live.roll_call() if live else ({}, LOST_RANK)
         if gone:

@@ -104,6 +104,12 @@ def parser() -> argparse.ArgumentParser:
         help="ddp: gradient all-reduce bucket size in MB (default 25)",
     )
     a(
+        "--nvme-path",
+        default=None,
+        help="local disk folder for ZeRO-Infinity swap files (configs offloading to nvme, "
+        "e.g. ds_configs/zero3_nvme.json; default RUN/nvme_swap)",
+    )
+    a(
         "--precision",
         choices=["bf16", "fp16", "fp32"],
         default=None,
@@ -182,6 +188,7 @@ class Settings:
     fsdp_reshard_after_forward: bool
     fsdp_cpu_offload: bool
     ddp_bucket_mb: float | None
+    nvme_path: str | None
     precision: str | None
     stop_at: int | None
     resume: str
@@ -198,7 +205,7 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
     Returns (resolved ds config, data manifest, model config, resume target, config path); the
     resume target is None or (checkpoint root, tag, whether to go through a universal copy)."""
     from data import load_manifest
-    from training import checkpoint, config
+    from training import checkpoint, cluster, config, nvme
 
     if s.steps < 1:
         raise config.ConfigError(f"--steps must be at least 1, got {s.steps}")
@@ -206,13 +213,17 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
         raise config.ConfigError(f"--seq-len must be at least 2, got {s.seq_len}")
     _check_flags_and_env(s, world)
     default_cfg = "zero2.json" if s.backend == "deepspeed" else "zero0.json"
-    cfg_path = s.ds_config or str(REPO / "ds_configs" / default_cfg)
+    cfg_path = cluster.accelerate_ds_config(s.ds_config) or str(REPO / "ds_configs" / default_cfg)
     raw = config.load_json(cfg_path)
     manifest = load_manifest(s.data)
     model_cfg = _model_config(s.model, manifest.vocab_size)
+    raw = nvme.override_path(raw, s.nvme_path, cfg_path)
+    flags = {**vars(s), **nvme.auto_values(s.nvme_path, Path(s.out), model_cfg)}
     ds_cfg = config.resolve(
-        raw, world=world, flags=vars(s), hidden_size=model_cfg.hidden_size, source=cfg_path
+        raw, world=world, flags=flags, hidden_size=model_cfg.hidden_size, source=cfg_path
     )
+    if s.backend == "deepspeed" and nvme.nvme_sections(ds_cfg):
+        nvme.check_aio(cfg_path)
     prec = s.precision or config.precision(ds_cfg)
     if s.backend == "deepspeed" and prec == "fp16":
         from training.distributed import accelerator
@@ -393,7 +404,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
 
     from data import BatchLoader, TokenDataset
     from models import build_model, flops_per_token
-    from training import checkpoint, integrity
+    from training import checkpoint, cluster, integrity
     from training import config as C
     from training import distributed as D
     from training.engines import build_engine, data_parallel
@@ -414,6 +425,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         )
         if tag != resume[1]:  # fell back to an older checkpoint: plan its load again
             resume = (root, tag, _plan_resume(s, ds_cfg, dist.world, dist.rank, root, tag))
+    accelerate_state = cluster.align_accelerate_state(dist.backend)
 
     if s.backend == "deepspeed":
         import deepspeed
@@ -499,6 +511,11 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         rngs = ts.get("rng", [])
         if ts.get("world") == dist.world and dist.rank < len(rngs):
             checkpoint.set_rng_state(rngs[dist.rank])
+    # Where each rank runs and what it reads first (a fresh loader: the real one is untouched).
+    first_x, _ = BatchLoader(
+        train_ds, micro, dist.rank, dist.world, s.seed, loader.consumed_samples
+    ).next_batch()
+    ranks = cluster.describe_ranks(dist.rank, dist.local_rank, first_x)
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
     peak = s.peak_tflops * 1e12 if s.peak_tflops else None
@@ -520,6 +537,8 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         },
         "world": dist.world,
         "pipeline": _pipeline_info(engine),
+        "ranks": ranks,
+        **({"accelerate": accelerate_state} if accelerate_state else {}),
         "backend": dist.backend,
         "device": str(dist.device),
         "precision": precision,

@@ -1,0 +1,75 @@
+"""The memory plan next to the model-state bytes a real engine holds, per rank.
+
+    torchrun --nproc_per_node 2 tests/scripts/plan_vs_measured.py DATA_DIR MODEL OUT.json CONFIG...
+
+CONFIG is a ds_configs name (zero0 ... zero3; ZeRO-3 ones last: transformers builds every later
+model partitioned while a ZeRO-3 one lives). For each, in one process group: the trainer's own
+config rule, model factory and DeepSpeed engine, micro-batch 1 x 2 accumulation steps, and
+`engine.state_bytes()` (training/memory.py, the count the training loop logs and
+benchmarks/compare reports) after the first micro-batch of the second step, where the loop
+measures: gradients and optimizer states both exist then. Rank 0 writes
+{config: {"measured": [rank 0, rank 1, ...], "plan": training.memory_plan's per-rank plan}}.
+"""
+
+import gc
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from data import load_manifest  # noqa: E402
+from models import build_model  # noqa: E402
+from training import config as C  # noqa: E402
+from training import distributed as D  # noqa: E402
+from training import memory_plan  # noqa: E402
+from training.engines import build_engine  # noqa: E402
+from training.train import REPO, Settings, parser  # noqa: E402
+
+
+def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
+    argv = ["--data", data, "--out", "-", "--model", model, "--micro-batch", "1"]
+    s = Settings(**vars(parser().parse_args([*argv, "--grad-accum", "2"])))
+    vocab = load_manifest(data).vocab_size
+    shape = memory_plan.model_shape(model, vocab)
+    raw = C.load_json(REPO / "ds_configs" / f"{name}.json")
+    ds_cfg = C.resolve(raw, world=dist.world, flags=vars(s), hidden_size=shape.hidden)
+    plan = memory_plan.plan(shape, ds_cfg, dist.world, config_name=name, seq_len=32)
+    torch.manual_seed(0)
+    stage = C.zero_stage(ds_cfg)
+    net = build_model(model, vocab_size=vocab, zero3_config=ds_cfg if stage == 3 else None)
+    engine = build_engine("deepspeed", model=net, ds_config=ds_cfg, settings=s, device=dist.device)
+    x = torch.randint(0, vocab, (1, 32))
+    for step in range(2):
+        engine.forward_backward(x, x, boundary=False)
+        if step == 1:
+            measured = engine.state_bytes()
+        engine.forward_backward(x, x, boundary=True)
+        engine.step()
+    del engine, net
+    gc.collect()
+    return measured, {**asdict(plan), "model_states": plan.model_states}
+
+
+def main() -> None:
+    data, model, out_path, *configs = sys.argv[1:]
+    dist = D.setup()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=dist.backend)
+    results = {}
+    for name in configs:
+        measured, plan = measure(name, data, model, dist)
+        results[name] = {"measured": D.all_gather_object(measured), "plan": plan}
+    if dist.is_main:
+        Path(out_path).write_text(json.dumps(results, indent=1))
+    D.teardown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
