@@ -14,6 +14,11 @@ parameter in memory at a time.
 On resume, train.py asks `plan` whether the checkpoint loads natively and, when it does not, has
 rank 0 call `ensure`: the copy is written once into a hidden temporary folder, sealed with a
 complete.json, renamed to checkpoints/step_N_universal, and reused by later resumes.
+
+The copy names every parameter as the unpipelined model does (`layers.0.attention.wq.weight`),
+whatever wrote it: a pipeline checkpoint's `1.attention.wq.weight` is renamed here, and the
+pipeline engine looks its parameters up under the model's names when it loads a copy
+(training/engines/pipeline.py). So one copy resumes pipelined or not, on any number of stages.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from training.checkpoint import UNIVERSAL_SUFFIX, CheckpointError
 from training.zero_files import STATE_KEYS, ZeroFiles
 
 MODES = ("auto", "always", "never")
+# complete.json of a copy whose folders carry the model's parameter names (copies made before
+# pipeline checkpoints were renamed lack it and are made again).
+NAMES = {"names": "model"}
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,7 @@ def ensure(root: Path, tag: str, *, force: bool = False, log=print) -> str:
     t0 = time.perf_counter()
     try:
         n = convert(src, tmp)
-        ckpt.write_listing(tmp, {"source": source_id, "source_tag": tag})
+        ckpt.write_listing(tmp, {"source": source_id, "source_tag": tag, **NAMES})
         shutil.rmtree(dst, ignore_errors=True)
         try:
             tmp.rename(dst)
@@ -169,7 +177,7 @@ def _alive(pid: int) -> bool:
 def _sealed_for(folder: Path, source_id: str) -> bool:
     try:
         listing = json.loads((folder / ckpt.COMPLETE).read_text())
-        if listing.get("source") != source_id:
+        if listing.get("source") != source_id or listing.get("names") != NAMES["names"]:
             return False
         ckpt.verify(folder)
         return True
@@ -183,9 +191,10 @@ def convert(src: Path, out: Path) -> int:
     files = ZeroFiles(src)
     zero = out / "zero"
     zero.mkdir(parents=True)
+    pipelined = any(src.glob("layer_*-model_states.pt"))
     n = 0
     for name, states, step in files.params(STATE_KEYS):
-        d = zero / name
+        d = zero / (model_name(name, states.shape) if pipelined else name)
         d.mkdir()
         for key in states:  # one state of one parameter in memory at a time
             torch.save({"param": states[key]}, d / f"{key}.pt")
@@ -203,6 +212,15 @@ def convert(src: Path, out: Path) -> int:
         ):
             shutil.copyfile(f, out / name)
     return n
+
+
+def model_name(pipeline_name: str, shape) -> str:
+    """The unpipelined model's name of a pipeline parameter (`1.feed_forward.w1.weight` ->
+    `layers.0.feed_forward.w1.weight`; the tied embedding -> `tok_embeddings.weight`)."""
+    from models.pipeline import pipeline_state_dict_to_model
+
+    meta = torch.empty(tuple(shape), device="meta")  # the final norm and the head differ by rank
+    return next(iter(pipeline_state_dict_to_model({pipeline_name: meta})))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"{root / utag}: resume from {tag} on any world size or ZeRO stage 1-3 (train.py picks it up)"
+        f"{root / utag}: resume from {tag} on any world size, ZeRO stage 1-3 or pipeline "
+        "layout (train.py picks it up)"
     )
     return 0
 

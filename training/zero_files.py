@@ -168,6 +168,10 @@ class _States(Mapping):
     def __init__(self, flats: dict, pieces: list[tuple[int, int, int]], shape):
         self._flats, self._pieces, self._shape = flats, pieces, shape
 
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._shape)
+
     def __getitem__(self, key: str) -> torch.Tensor:
         f = self._flats[key]
         return _gather([f[r].narrow(0, start, n) for r, start, n in self._pieces]).view(self._shape)

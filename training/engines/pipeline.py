@@ -3,7 +3,9 @@ the data-parallel replicas that remain (world = stages x dp).
 
 `PipelineEngine.train_batch` runs a whole step at once (every micro-batch through every stage,
 then the optimizer step), so this engine buffers the loop's micro-batches and runs the step on
-the boundary. Everything else (lr, save, load) is the plain DeepSpeed engine's.
+the boundary. Everything else (lr, save, load) is the plain DeepSpeed engine's, except that a
+universal copy names parameters as the unpipelined model does (training/universal.py), so its
+parameters are looked up under those names while it loads.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import warnings
 
 import torch
 
-from models import build_pipeline_module, model_state_dict_to_pipeline
-from models.pipeline import BlockPipe
+from models import build_pipeline_module, model_state_dict_to_pipeline, set_attention_kernel
+from models.pipeline import BlockPipe, pipeline_state_dict_to_model
 from training.engines import StepResult
 from training.engines.ds import DeepSpeedEngine
 
@@ -45,6 +47,7 @@ class PipelineEngine(DeepSpeedEngine):
             partition_method=PARTITIONS[pipe_cfg.get("partition", "parameters")],
             activation_checkpoint_interval=int(pipe_cfg.get("activation_checkpoint_interval", 0)),
         )
+        set_attention_kernel(pipe, settings.attention)
         full = model_state_dict_to_pipeline(model.state_dict(), model.config)
         pipe.load_state_dict({name: full[name] for name in pipe.state_dict()})
         self.config = model.config
@@ -103,6 +106,24 @@ class PipelineEngine(DeepSpeedEngine):
                 yield from model_state_dict_to_pipeline({name: value}, self.config).items()
 
         return super().set_master_weights(renamed())
+
+    def load(self, root, tag: str) -> None:
+        """The DeepSpeed engine's. A universal copy (from a pipeline run with another layout, or
+        from an unpipelined one) holds zero/<name>/ under the model's names: DeepSpeed's loader
+        finds each parameter's folder through the optimizer's `param_names`, so those read the
+        model's names (`layers.0.attention.wq.weight` for `1.attention.wq.weight`) meanwhile."""
+        if not self.engine.load_universal_checkpoint():
+            return super().load(root, tag)
+        opt = self.engine.optimizer
+        own = opt.param_names
+        opt.param_names = {
+            p: next(iter(pipeline_state_dict_to_model({name: p}, self.config)))
+            for p, name in own.items()
+        }
+        try:
+            super().load(root, tag)
+        finally:
+            opt.param_names = own
 
     @torch.no_grad()
     def eval_loss(self, x, y) -> torch.Tensor:
