@@ -13,7 +13,7 @@ from models.hf_adapter import (
     to_llama_config,
     to_llama_state_dict,
 )
-from models.llama import ZeroStackForCausalLM, causal_lm_loss
+from models.llama import ZeroStackForCausalLM, causal_lm_loss, set_attention_kernel
 from models.pipeline import (
     build_pipeline_module,
     model_state_dict_to_pipeline,
@@ -39,6 +39,7 @@ __all__ = [
     "pipeline_loss",
     "pipeline_state_dict_to_model",
     "save_llama",
+    "set_attention_kernel",
     "to_llama_config",
     "to_llama_state_dict",
 ]

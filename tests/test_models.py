@@ -397,3 +397,42 @@ def test_pipeline_layers_reassemble_into_the_model(one_rank_group, tied):
     pipe_grads = pipeline_state_dict_to_model({n: p.grad for n, p in pipe.named_parameters()})
     for name, param in model.named_parameters():
         torch.testing.assert_close(pipe_grads[name], param.grad, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])  # MHA, GQA, MQA
+def test_explicit_attention_kernel_matches_sdpa(kv_heads):
+    """The written-out kernel gives SDPA's logits and gradients (fp32), with padding masks and
+    with a kv cache in generate; the bf16 loss agrees within bf16 rounding."""
+    from models import set_attention_kernel
+
+    torch.manual_seed(0)
+    model = ZeroStackForCausalLM(tiny(num_key_value_heads=kv_heads)).train()
+    x = torch.randint(0, 128, (2, 24))
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0  # left padding: the explicit path gets SDPA's boolean mask
+
+    def run(kernel, dtype=torch.float32):
+        assert set_attention_kernel(model, kernel) == model.config.num_hidden_layers
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = model(input_ids=x, labels=x)
+            padded = model(input_ids=x, attention_mask=mask).logits
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            gen = model.generate(
+                x, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0
+            )
+        return out.logits, padded, grads, gen, out.loss
+
+    sdpa, explicit = run("sdpa"), run("explicit")
+    torch.testing.assert_close(explicit[0], sdpa[0], atol=1e-5, rtol=1e-5)
+    keep = mask.bool()
+    torch.testing.assert_close(explicit[1][keep], sdpa[1][keep], atol=1e-5, rtol=1e-5)
+    for name in sdpa[2]:
+        torch.testing.assert_close(explicit[2][name], sdpa[2][name], atol=1e-5, rtol=1e-4)
+    assert torch.equal(explicit[3], sdpa[3])
+    loss16 = {k: run(k, torch.bfloat16)[4].item() for k in ("sdpa", "explicit")}
+    assert abs(loss16["sdpa"] - loss16["explicit"]) < 2e-2 * loss16["sdpa"], loss16
+    with pytest.raises(ValueError, match="choose one of"):
+        set_attention_kernel(model, "flash")

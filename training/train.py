@@ -72,6 +72,13 @@ def parser() -> argparse.ArgumentParser:
         help="torch.compile the model in place (fuses the elementwise work; first steps compile)",
     )
     a(
+        "--attention",
+        choices=["auto", "sdpa", "explicit"],
+        default="auto",
+        help="attention kernel of our model: SDPA, or softmax(QK^T)V written out (faster on CPUs "
+        "at short sequences); auto: explicit on a CPU up to --seq-len 1024, else sdpa",
+    )
+    a(
         "--pipeline-stages",
         type=int,
         default=None,
@@ -183,6 +190,7 @@ class Settings:
     keep_last: int
     activation_checkpointing: bool
     compile: bool
+    attention: str
     pipeline_stages: int | None
     pipeline_partition: str | None
     fsdp_reshard_after_forward: bool
@@ -217,6 +225,11 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
     raw = config.load_json(cfg_path)
     manifest = load_manifest(s.data)
     model_cfg = _model_config(s.model, manifest.vocab_size)
+    if s.attention == "explicit" and model_cfg.model_type not in ("zerostack", "llama"):
+        raise config.ConfigError(
+            f"--attention explicit: {s.model} is a {model_cfg.model_type} model; the explicit "
+            "kernel is our model's (presets, our exports, Llama folders). Drop the flag"
+        )
     raw = nvme.override_path(raw, s.nvme_path, cfg_path)
     flags = {**vars(s), **nvme.auto_values(s.nvme_path, Path(s.out), model_cfg)}
     ds_cfg = config.resolve(
@@ -358,6 +371,14 @@ def _check_flags_and_env(s: Settings, world: int) -> None:
         raise ConfigError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
 
 
+def _attention_kernel(choice: str, device_type: str, seq_len: int) -> str:
+    """auto: the explicit kernel where it was measured faster (CPUs, sequences up to 1024;
+    docs/benchmarks.md), SDPA everywhere else (GPUs have fused kernels)."""
+    if choice != "auto":
+        return choice
+    return "explicit" if device_type == "cpu" and seq_len <= 1024 else "sdpa"
+
+
 def _model_config(spec: str, vocab_size: int):
     """The model's config without building it (presets and folders), for early checks."""
     from models import ModelError, get_config
@@ -403,7 +424,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     import torch
 
     from data import BatchLoader, TokenDataset
-    from models import build_model, flops_per_token
+    from models import build_model, flops_per_token, set_attention_kernel
     from training import checkpoint, cluster, integrity
     from training import config as C
     from training import distributed as D
@@ -459,6 +480,8 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         vocab_size=manifest.vocab_size,
         zero3_config=ds_cfg if (s.backend == "deepspeed" and stage == 3) else None,
     )
+    s.attention = _attention_kernel(s.attention, dist.device.type, s.seq_len)
+    set_attention_kernel(model, s.attention)  # the pipeline engine sets its layers from s
     if s.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if s.compile:
