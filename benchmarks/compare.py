@@ -150,9 +150,9 @@ def reference(argv: list[str]) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from data import BatchLoader, TokenDataset, load_manifest
-    from models import build_model, flops_per_token
+    from models import build_model, flops_per_token, set_attention_kernel
     from training.metrics import peak_flops
-    from training.train import Settings, parser
+    from training.train import Settings, _attention_kernel, parser
 
     s = Settings(**vars(parser().parse_args(argv)))
     dist.init_process_group("gloo")
@@ -160,6 +160,8 @@ def reference(argv: list[str]) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer does
     torch.manual_seed(s.seed)
     model = build_model(s.model, vocab_size=load_manifest(s.data).vocab_size)
+    # the attention kernel the trainer picks, so the ratio measures the engines alone
+    set_attention_kernel(model, _attention_kernel(s.attention, "cpu", s.seq_len))
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay, fused=True)
     data = TokenDataset(s.data, "train", s.seq_len)
