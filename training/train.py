@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
         choices=["auto", "sdpa", "explicit"],
         default="auto",
         help="attention kernel of our model: SDPA, or softmax(QK^T)V written out (faster on CPUs "
-        "at short sequences); auto: explicit on a CPU up to --seq-len 1024, else sdpa",
+        "at short sequences); auto: explicit on a CPU up to --seq-len 512, else sdpa",
     )
     a(
         "--pipeline-stages",
@@ -372,11 +372,11 @@ def _check_flags_and_env(s: Settings, world: int) -> None:
 
 
 def _attention_kernel(choice: str, device_type: str, seq_len: int) -> str:
-    """auto: the explicit kernel where it was measured faster (CPUs, sequences up to 1024;
+    """auto: the explicit kernel where it was measured faster (CPUs, sequences up to 512;
     docs/benchmarks.md), SDPA everywhere else (GPUs have fused kernels)."""
     if choice != "auto":
         return choice
-    return "explicit" if device_type == "cpu" and seq_len <= 1024 else "sdpa"
+    return "explicit" if device_type == "cpu" and seq_len <= 512 else "sdpa"
 
 
 def _model_config(spec: str, vocab_size: int):
