@@ -124,7 +124,9 @@ def test_fsdp_checkpoint_from_2_ranks_resumes_on_1(runs, stopped, tiny_data, ini
     """DCP reshards on load: step 10 of the 2-rank run continues on 1 rank with the same global
     batch (micro 1 x 4 accumulation), with both FSDP switches flipped (they change memory and
     communication, not the numbers). Only the order of fp32 gradient sums differs from the
-    straight 2-rank run: measured within 1e-7 relative; we hold 1e-5."""
+    straight 2-rank run: within 1e-7 relative with SDPA attention; the explicit kernel the
+    trainer picks on CPUs rounds its probabilities to bf16, which lets that 1e-7 grow to 2e-5
+    over ten steps. We hold 1e-4, far below what a wrong batch or a reset optimizer changes."""
     one = tmp_path / "one"
     r = launch(
         [
@@ -139,7 +141,7 @@ def test_fsdp_checkpoint_from_2_ranks_resumes_on_1(runs, stopped, tiny_data, ini
     assert [x["step"] for x in resumed] == list(range(11, STEPS + 1))
     assert [x["tokens"] for x in resumed] == [x["tokens"] for x in straight]
     for a, b in zip(resumed, straight):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (resumed, straight)
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (resumed, straight)
     assert json.loads((one / "resolved_config.json").read_text())["world"] == 1
 
 
