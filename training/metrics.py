@@ -31,38 +31,40 @@ def _device_key(device: torch.device, dtype: torch.dtype, threads: int) -> str:
 
 
 def measure_peak_flops(
-    device: torch.device, dtype: torch.dtype = torch.bfloat16, seconds: float = 1.5
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, seconds: float = 2.0
 ) -> float:
     """Best matmul FLOP/s this process reaches on `device` (its current thread count on CPU).
 
-    The matrix grows until one product takes ~20 ms (up to 4096), so a dtype the device has no
-    fast kernels for (fp16 on most CPUs) is measured in seconds, not hours."""
+    The best over square sizes 256 to 4096: which size is fastest depends on caches and
+    threads (on a 2-core EPYC, 512-768 on one thread at ~445 GFLOP/s but only ~250 at 2048), and
+    a ceiling taken at one size would flatter every MFU. Sizes stop growing once one product
+    takes 50 ms, so a dtype without fast kernels (fp16 on most CPUs) is measured in seconds."""
     sync = (lambda: None) if device.type == "cpu" else torch.accelerator.synchronize
-    size = 256
-    while True:
+    sizes = [256, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    best = 0.0
+    for size in sizes:
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
-        a @ b
+        a @ b  # warm-up: kernel selection, page faults
         sync()
-        t = time.perf_counter()
-        a @ b
-        sync()
-        if time.perf_counter() - t > 0.02 or size >= 4096:
+        end = time.perf_counter() + seconds / len(sizes)
+        while True:
+            t = time.perf_counter()
+            a @ b
+            sync()
+            took = time.perf_counter() - t
+            best = max(best, 2 * size**3 / took)
+            if time.perf_counter() >= end:
+                break
+        if took > 0.05:
             break
-        size *= 2
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        a @ b
-        sync()
-        best = max(best, 2 * size**3 / (time.perf_counter() - t))
     return best
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: Path | None = None) -> float:
     """Per-process peak FLOP/s, measured once per machine/dtype/thread count and cached."""
     threads = torch.get_num_threads()
-    key = _device_key(device, dtype, threads)
+    key = _device_key(device, dtype, threads) + "|probe=2"  # 2: best over sizes
     cache = (cache_dir or Path.home() / ".cache" / "zerostack") / "peak_flops.json"
     table = {}
     if cache.is_file():
