@@ -5,7 +5,7 @@
 Each ds_config runs as a real 2-rank job of training/train.py (1 thread per rank on a 2-core
 CPU). The reference is the loop people write by hand: one process, all cores, the same model,
 the same global batch, bf16 autocast and fused AdamW. Prints and writes a markdown table:
-tokens/s, MFU against the measured bf16 matmul peak, peak memory per rank.
+tokens/s, MFU against the measured matmul peak, peak memory per rank.
 """
 
 from __future__ import annotations
@@ -189,9 +189,11 @@ def write_table(rows: list[dict], a) -> None:
         f"{os.cpu_count()} cores, torch {torch.__version__}. Model `{a.model}`, sequence "
         f"{a.seq_len}, global batch {a.micro_batch * a.ranks} sequences "
         f"({a.micro_batch * a.ranks * a.seq_len} tokens) per step. DeepSpeed rows: {a.ranks} "
-        "ranks (gloo), one thread each. MFU is against the bf16 matmul peak measured on this "
-        "machine (training/metrics.py), summed over ranks. Memory is the highest rank's peak "
-        "RSS." + (f" Extra trainer flags: `{' '.join(a.extra)}`." if a.extra else ""),
+        "ranks (gloo), one thread each. MFU is against the matmul peak of the run's precision "
+        "measured on this machine (training/metrics.py), summed over ranks. Memory is the "
+        "highest rank's peak RSS. Plain loops run at a constant learning rate, the trainer "
+        "with warm-up and cosine decay: their final losses differ for that reason."
+        + (f" Extra trainer flags: `{' '.join(a.extra)}`." if a.extra else ""),
         "",
         "| run | tokens/s | vs plain loop | MFU | peak memory / rank (GB) | final loss |",
         "|---|---:|---:|---:|---:|---:|",
