@@ -264,8 +264,8 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "matmul peak measured on this machine in the run's precision, summed over ranks. Peak "
         "memory is the fullest rank's peak RSS on a CPU (max allocated on a GPU): it includes "
         "the Python, torch and DeepSpeed runtime, so model states show better in their own "
-        "columns. Other jobs shared this machine's cores; timings move by several percent "
-        "between runs.",
+        "columns. Timings of the same command move by about 5% between runs, even on an idle "
+        "machine: `--repeats N` keeps the best of N.",
         "",
         "| engine | precision | tokens/s | vs DDP | MFU | peak memory / rank (GiB) | "
         "params | grads | optimizer | buffers | model states / rank (MiB) | planned (MiB) | "
