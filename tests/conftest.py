@@ -86,6 +86,13 @@ def tiny_data(tmp_path_factory) -> Path:
     return out
 
 
+# The short tiny-model run most tests launch: 2 sequences of 64 tokens per rank and micro-step,
+# a metrics line every step, no evaluation until the end.
+TINY_RUN = [
+    "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--log-every", "1",
+    "--eval-every", "0", "--eval-samples", "8", "--lr", "3e-3", "--warmup", "2",
+]  # fmt: skip
+
 UNIVERSAL_ARGS = [
     "--model", "tiny", "--seq-len", "64", "--log-every", "1", "--eval-every", "0",
     "--eval-samples", "8", "--lr", "3e-3", "--warmup", "2", "--steps", "6",

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO, free_port, launch, read_metrics
+from conftest import PY, REPO, TINY_RUN, free_port, launch, read_metrics
 
 from launch.two_hosts import TwoHosts, unavailable
 
@@ -23,22 +23,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 FLAGS = [
-    "--model",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--micro-batch",
-    "2",
-    "--log-every",
-    "1",
-    "--eval-every",
-    "0",
-    "--eval-samples",
-    "8",
-    "--lr",
-    "3e-3",
-    "--warmup",
-    "2",
+    *TINY_RUN,
     "--steps",
     "4",
     "--peak-tflops",

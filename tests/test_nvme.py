@@ -7,27 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import launch, read_metrics
+from conftest import TINY_RUN, launch, read_metrics
 
 from training.train import main
 
 FLAGS = [
-    "--model",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--micro-batch",
-    "2",
-    "--log-every",
-    "1",
-    "--eval-every",
-    "0",
-    "--eval-samples",
-    "8",
-    "--lr",
-    "3e-3",
-    "--warmup",
-    "2",
+    *TINY_RUN,
     "--steps",
     "4",
     "--save-every",

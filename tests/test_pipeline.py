@@ -9,27 +9,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, TINY_RUN, launch, read_metrics
 
 from training.train import main
 
 COMMON = [
-    "--model",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--micro-batch",
-    "2",
-    "--log-every",
-    "1",
-    "--eval-every",
-    "0",
-    "--eval-samples",
-    "8",
-    "--lr",
-    "3e-3",
-    "--warmup",
-    "2",
+    *TINY_RUN,
     "--steps",
     "6",
 ]

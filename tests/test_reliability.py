@@ -17,27 +17,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import PY, REPO, free_port, launch, read_metrics
+from conftest import PY, REPO, TINY_RUN, free_port, launch, read_metrics
 
 STEPS = 12
-COMMON = [
-    "--model",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--micro-batch",
-    "2",
-    "--log-every",
-    "1",
-    "--eval-every",
-    "0",
-    "--eval-samples",
-    "8",
-    "--lr",
-    "3e-3",
-    "--warmup",
-    "2",
-]
+COMMON = TINY_RUN
 
 
 def args(data, out, *extra, steps=STEPS, save_every=4):

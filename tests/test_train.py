@@ -10,27 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO, free_port, launch, read_metrics
+from conftest import PY, REPO, TINY_RUN, free_port, launch, read_metrics
 
 CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fp32"]
-COMMON = [
-    "--model",
-    "tiny",
-    "--seq-len",
-    "64",
-    "--micro-batch",
-    "2",
-    "--log-every",
-    "1",
-    "--eval-every",
-    "0",
-    "--eval-samples",
-    "8",
-    "--lr",
-    "3e-3",
-    "--warmup",
-    "2",
-]
+COMMON = TINY_RUN
 
 
 def train_args(data, out, *extra):
