@@ -287,3 +287,16 @@ def test_compare_report_from_the_runs(runs, tiny_data, init_model, tmp_path):
     assert "DeepSpeed `zero2` / DDP = " in text
     for png in ("comparison_memory.png", "comparison_loss.png"):
         assert (tmp_path / png).stat().st_size > 10_000
+
+
+def test_compare_floors_use_paired_rounds():
+    """With repeats, a floor is the median of per-round ratios, not best against best: a fast
+    spell in one round must not decide it."""
+    from benchmarks.compare import floor_ratio
+
+    ddp = {"tokens_per_s": 3561, "all_tokens_per_s": [3543, 3444, 3561]}
+    ref = {"tokens_per_s": 3774, "all_tokens_per_s": [3328, 3774, 3514]}
+    ratio, rounds = floor_ratio(ddp, ref)
+    assert [round(r, 3) for r in rounds] == [1.065, 0.913, 1.013] and ratio == rounds[2]
+    assert floor_ratio({"tokens_per_s": 90}, {"tokens_per_s": 100}) == (0.9, [])
+    assert floor_ratio({}, ref) == (None, [])
