@@ -57,6 +57,7 @@ def setup(timeout_s: float = 600.0, local_rank_arg: int | None = None) -> DistIn
         # Share the cores between the ranks on this host instead of oversubscribing them.
         if "OMP_NUM_THREADS" not in env or local_world > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        keep_freed_memory()
     else:
         acc.set_device(local_rank)
         device = torch.device(acc.device_name(local_rank))
@@ -68,6 +69,32 @@ def setup(timeout_s: float = 600.0, local_rank_arg: int | None = None) -> DistIn
 
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     return DistInfo(rank, world, local_rank, local_world, device, backend)
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory in the process instead of unmapping it (CPU training).
+
+    Activations and gradients are allocated and freed every step. glibc serves blocks above its
+    mmap threshold with fresh mmaps, and trims the heap back to the OS: every step then
+    page-faults its working set in again. Keeping blocks up to 32 MiB on the heap and never
+    trimming measured 1.25x the tokens/s of DDP on the `small` preset here (the peak RSS is
+    what the process reaches anyway). No-op off glibc. ZEROSTACK_MALLOC=default opts out."""
+    if os.environ.get("ZEROSTACK_MALLOC") == "default":
+        return False
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):  # musl, macOS: no mallopt
+        return False
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    ok = mallopt(m_mmap_threshold, 32 * 2**20) == 1
+    return mallopt(m_trim_threshold, 2**31 - 1) == 1 and ok  # an int: the most it takes
 
 
 def teardown() -> None:
