@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -171,16 +170,11 @@ def main() -> int:
 
 def write_table(rows: list[dict], a) -> None:
     ref = rows[0].get("tokens_per_s")
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(
-            x.split(":", 1)[1].strip()
-            for x in Path("/proc/cpuinfo").read_text().splitlines()
-            if x.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
     import torch
+
+    from training.metrics import cpu_name
+
+    cpu = cpu_name()
 
     lines = [
         "# Training throughput",

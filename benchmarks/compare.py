@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -150,9 +149,9 @@ def reference(argv: list[str]) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from data import BatchLoader, TokenDataset, load_manifest
-    from models import build_model, flops_per_token, set_attention_kernel
+    from models import build_model, flops_per_token, pick_attention_kernel, set_attention_kernel
     from training.metrics import peak_flops
-    from training.train import Settings, _attention_kernel, parser
+    from training.train import Settings, parser
 
     s = Settings(**vars(parser().parse_args(argv)))
     dist.init_process_group("gloo")
@@ -161,7 +160,7 @@ def reference(argv: list[str]) -> None:
     torch.manual_seed(s.seed)
     model = build_model(s.model, vocab_size=load_manifest(s.data).vocab_size)
     # the attention kernel the trainer picks, so the ratio measures the engines alone
-    set_attention_kernel(model, _attention_kernel(s.attention, "cpu", s.seq_len))
+    set_attention_kernel(model, pick_attention_kernel(s.attention, "cpu", s.seq_len))
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay, fused=True)
     data = TokenDataset(s.data, "train", s.seq_len)
@@ -227,15 +226,9 @@ def machine() -> str:
     import deepspeed
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(
-            x.split(":", 1)[1].strip()
-            for x in Path("/proc/cpuinfo").read_text().splitlines()
-            if x.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
+    from training.metrics import cpu_name
+
+    cpu = cpu_name()
     return (
         f"{cpu}, {os.cpu_count()} cores, no GPU (gloo), torch {torch.__version__}, "
         f"deepspeed {deepspeed.__version__}"

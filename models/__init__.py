@@ -13,7 +13,12 @@ from models.hf_adapter import (
     to_llama_config,
     to_llama_state_dict,
 )
-from models.llama import ZeroStackForCausalLM, causal_lm_loss, set_attention_kernel
+from models.llama import (
+    ZeroStackForCausalLM,
+    causal_lm_loss,
+    pick_attention_kernel,
+    set_attention_kernel,
+)
 from models.pipeline import (
     build_pipeline_module,
     model_state_dict_to_pipeline,
@@ -36,6 +41,7 @@ __all__ = [
     "get_config",
     "model_state_dict_to_pipeline",
     "num_params",
+    "pick_attention_kernel",
     "pipeline_loss",
     "pipeline_state_dict_to_model",
     "save_llama",

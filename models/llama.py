@@ -167,6 +167,15 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
+def pick_attention_kernel(choice: str, device_type: str, seq_len: int) -> str:
+    """`choice`, with "auto" made concrete: the explicit kernel where it was measured faster
+    (CPUs, sequences up to 512; docs/benchmarks.md), SDPA everywhere else (GPUs have fused
+    kernels)."""
+    if choice != "auto":
+        return choice
+    return "explicit" if device_type == "cpu" and seq_len <= 512 else "sdpa"
+
+
 def set_attention_kernel(model: nn.Module, kernel: str) -> int:
     """Make every attention layer of `model` (ours, plain or pipelined) use `kernel`; returns how many."""
     if kernel not in ATTENTION_KERNELS:

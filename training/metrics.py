@@ -14,17 +14,20 @@ import torch
 
 
 # ---------------------------------------------------------------------------- peak FLOP/s
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _device_key(device: torch.device, dtype: torch.dtype, threads: int) -> str:
     if device.type == "cpu":
-        name = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-        return f"cpu|{name}|{dtype}|threads={threads}|torch={torch.__version__}"
+        return f"cpu|{cpu_name()}|{dtype}|threads={threads}|torch={torch.__version__}"
     from training.distributed import accelerator
 
     return f"{device.type}|{accelerator().get_device_name(device.index)}|{dtype}"

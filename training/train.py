@@ -371,14 +371,6 @@ def _check_flags_and_env(s: Settings, world: int) -> None:
         raise ConfigError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
 
 
-def _attention_kernel(choice: str, device_type: str, seq_len: int) -> str:
-    """auto: the explicit kernel where it was measured faster (CPUs, sequences up to 512;
-    docs/benchmarks.md), SDPA everywhere else (GPUs have fused kernels)."""
-    if choice != "auto":
-        return choice
-    return "explicit" if device_type == "cpu" and seq_len <= 512 else "sdpa"
-
-
 def _model_config(spec: str, vocab_size: int):
     """The model's config without building it (presets and folders), for early checks."""
     from models import ModelError, get_config
@@ -424,7 +416,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     import torch
 
     from data import BatchLoader, TokenDataset
-    from models import build_model, flops_per_token, set_attention_kernel
+    from models import build_model, flops_per_token, pick_attention_kernel, set_attention_kernel
     from training import checkpoint, cluster, integrity
     from training import config as C
     from training import distributed as D
@@ -480,7 +472,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         vocab_size=manifest.vocab_size,
         zero3_config=ds_cfg if (s.backend == "deepspeed" and stage == 3) else None,
     )
-    s.attention = _attention_kernel(s.attention, dist.device.type, s.seq_len)
+    s.attention = pick_attention_kernel(s.attention, dist.device.type, s.seq_len)
     set_attention_kernel(model, s.attention)  # the pipeline engine sets its layers from s
     if s.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
