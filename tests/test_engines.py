@@ -80,6 +80,11 @@ def test_engines_follow_the_same_trajectory(runs):
     for name in ("ddp", "fsdp", "zero1", "zero3"):  # measured within 8%
         for a, b in zip(norm[name], norm["zero2"]):
             assert abs(a - b) <= 0.2 * b, (name, norm[name], norm["zero2"])
+    # DeepSpeed's all-reduces went through shared memory (every rank on this host); the
+    # native engines' through gloo.
+    for name in ENGINES:
+        resolved = json.loads((runs[name] / "resolved_config.json").read_text())
+        assert resolved["shm_all_reduce"] == (name not in ("ddp", "fsdp")), name
     # The loop logged model-state bytes once: FSDP2 keeps half of what DDP keeps on 2 ranks.
     states = {n: read_metrics(runs[n], "state_bytes") for n in ("ddp", "fsdp")}
     assert [len(s) for s in states.values()] == [1, 1]

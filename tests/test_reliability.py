@@ -53,6 +53,7 @@ class Job:
             start_new_session=True,
         )
         self.lines: list[str] = []
+        self.ranks: set[int] = set()  # pids handed out by rank_pid, killed with the job
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -90,6 +91,7 @@ class Job:
                 try:
                     if "training/train.py" in " ".join(p.cmdline()):
                         if p.environ().get("RANK") == str(rank):
+                            self.ranks.add(p.pid)
                             return p.pid
                 except psutil.Error:
                     continue
@@ -108,10 +110,12 @@ class Job:
         return self.proc.returncode
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # A rank the test stopped may have outlived its launcher in a session of its own.
+        for pid in [self.proc.pid, *self.ranks]:
+            try:
+                (os.killpg if pid == self.proc.pid else os.kill)(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
 
 
@@ -155,8 +159,10 @@ def test_kill_9_of_one_rank_stops_the_other_and_rerun_is_exact(tiny_data, refere
 
 
 def test_a_frozen_rank_is_named_after_the_timeout(tiny_data, tmp_path):
-    """SIGSTOP: the rank is alive but answers nothing; its peers give up after --dist-timeout."""
-    job = Job.torchrun(args(tiny_data, tmp_path / "frozen", "--dist-timeout", "10", steps=200))
+    """SIGSTOP: the rank is alive but answers nothing. A peer waiting in a gloo collective gives
+    up after --dist-timeout; one waiting in the shared-memory all-reduce (which cannot time out)
+    is freed sooner by the watchdog (tests/test_distributed.py pins that case down)."""
+    job = Job.torchrun(args(tiny_data, tmp_path / "frozen", "--dist-timeout", "10", steps=400))
     job.wait_for(r"train step 2 ")
     os.kill(job.rank_pid(1), signal.SIGSTOP)
     frozen_at = time.time()
@@ -164,7 +170,30 @@ def test_a_frozen_rank_is_named_after_the_timeout(tiny_data, tmp_path):
         job.wait_for(r"error: rank 1 is not responding", timeout=120)
     finally:
         job.kill()
-    assert 9 < time.time() - frozen_at < 90  # the collective gave up after --dist-timeout
+    assert 5 < time.time() - frozen_at < 90
+
+
+def test_the_watchdog_names_a_rank_frozen_before_a_shared_memory_all_reduce(tmp_path):
+    """DeepSpeed's shared-memory all-reduce spins until every rank arrives: rank 0 waits in it
+    for a rank that froze. The watchdog names rank 1 after its grace and roll call, well
+    inside --dist-timeout, and rank 0 exits 4."""
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(free_port()), "tests/scripts/shm_frozen_peer.py"]
+    job = Job([*cmd, str(tmp_path), "120"])
+    frozen = int(job.wait_for(r"rank 1 pid (\d+) ready").group(1))
+    job.ranks.add(frozen)
+    started = time.time()
+    try:
+        line = job.wait_for(r"error: rank 1 is not responding[^\n]*", timeout=100).group(0)
+        waited = time.time() - started
+        os.kill(frozen, signal.SIGKILL)  # so the launcher ends now, not 30 s later
+        job.finish(timeout=60)
+    finally:
+        job.kill()
+    assert 5 < waited < 60, waited
+    assert "rank 0 stops too" in line, line
+    assert 4 in rank_exit_codes(job.output), job.output
+    assert "rank 0 got past" not in job.output
 
 
 # ------------------------------------------------------------------------------ preemption
@@ -384,6 +413,9 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tiny_data, refere
         start_new_session=True,
     )
     text = p.stdout + p.stderr
+    # The limit also cuts DeepSpeed's shared-memory segments short: the all-reduce route must
+    # see that and stay off (with a short segment its kernel faults).
+    assert "world 2 (gloo) |" in text, text[-4000:]
     assert set(rank_exit_codes(text)) == {5}, text[-4000:]
     # rank 0 says it, for itself or relaying the rank that failed first
     line = re.search(r"error: (rank 1 stopped: )?could not write checkpoint step_00000016.*", text)

@@ -63,6 +63,21 @@ def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
         sys.stderr.flush()
         os._exit(code)
 
+    def lost(gone: dict, code: int):
+        """Another rank is gone: say which (the lowest survivor does), and exit at once."""
+        latest = checkpoint.find_latest(Path(run_dir) / "checkpoints")
+        alive = sorted(set(range(world)) - set(gone))
+        resume = latest or "the start (no complete checkpoint yet)"
+        say(
+            f"error: {liveness.describe(gone)}; rank {rank} stops too (at step {live.step})"
+            + (f". Re-run the same command to resume from {resume}" if code == LOST_RANK else ""),
+            everyone=bool(alive) and rank == alive[0],
+        )
+        live.last_words(code, f"lost {liveness.describe(gone)}")
+        exit_now(code)
+
+    if live:
+        live.on_lost = lost  # the watchdog's way out of a collective that cannot fail
     try:
         train()
     except (Diverged, checkpoint.CheckpointError) as e:  # every rank raised it alike
@@ -77,20 +92,7 @@ def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
     except Exception as e:
         gone, code = live.roll_call() if live else ({}, LOST_RANK)
         if gone:
-            latest = checkpoint.find_latest(Path(run_dir) / "checkpoints")
-            alive = sorted(set(range(world)) - set(gone))
-            resume = latest or "the start (no complete checkpoint yet)"
-            say(
-                f"error: {liveness.describe(gone)}; rank {rank} stops too (at step {live.step})"
-                + (
-                    f". Re-run the same command to resume from {resume}"
-                    if code == LOST_RANK
-                    else ""
-                ),
-                everyone=bool(alive) and rank == alive[0],
-            )
-            live.last_words(code, f"lost {liveness.describe(gone)}")
-            exit_now(code)
+            lost(gone, code)
         if isinstance(e, SaveFailed):  # rank 0 says it, for itself or for the others
             say(f"error: {e}")
             if live:

@@ -9,13 +9,20 @@ a few seconds, and reads them again: a rank whose counter stood still is dead (o
 off), a rank that left words says why it stopped, and a live rank behind our step is stuck.
 
 Under torchrun the store lives in the launcher's agent and outlives every rank; under the
-deepspeed launcher rank 0 hosts it, so an unreachable store means rank 0 is gone."""
+deepspeed launcher rank 0 hosts it, so an unreachable store means rank 0 is gone.
+
+Some collectives cannot fail: DeepSpeed's shared-memory all-reduce spins until every rank has
+arrived, with no timeout. The main thread marks such a wait (`waiting()`), and a watchdog thread
+holds the roll call while it lasts, as a failed collective would: a peer that stopped beating
+is named and this rank exits, and a wait longer than the collective timeout ends the run like
+a timed-out collective."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -39,6 +46,40 @@ class Liveness:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="zerostack-heartbeat", daemon=True)
         self._thread.start()
+        # The watchdog over waits that cannot time out by themselves (see `waiting`).
+        self.waiting_since: float | None = None
+        self.timeout_s = 600.0  # the collective timeout; distributed.setup sets --dist-timeout
+        self.on_lost = None  # (gone, code) -> never returns; exits.run_guarded sets it
+        self._watchdog: threading.Thread | None = None
+
+    def watch(self, grace_s: float = 5.0) -> None:
+        """Start the watchdog (once): after `grace_s` in a marked wait, hold a roll call; repeat
+        every `grace_s` until the wait ends, a peer is gone, or `timeout_s` has passed."""
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=self._watch, args=(grace_s,), name="zerostack-watchdog", daemon=True
+            )
+            self._watchdog.start()
+
+    def _watch(self, grace_s: float) -> None:
+        while not self._stop.wait(1.0):
+            since = self.waiting_since
+            if since is None or time.monotonic() - since < grace_s:
+                continue
+            waited = time.monotonic() - since
+            timed_out = waited > self.timeout_s
+            # A live peer behind our step is only slow until the timeout has passed.
+            gone, code = self.roll_call(stuck=timed_out)
+            if self.waiting_since != since:
+                continue  # the wait ended while we asked: nothing is wrong
+            if not gone and timed_out:
+                gone = {
+                    -1: f"an all-reduce waited {waited:.0f}s (more than --dist-timeout) for a "
+                    "rank that is alive but never joined it"
+                }
+            if gone and self.on_lost is not None:
+                self.on_lost(gone, code)
+            self._stop.wait(grace_s)
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}{kind}/{rank}"
@@ -74,9 +115,10 @@ class Liveness:
         except Exception:
             pass
 
-    def roll_call(self, window_s: float = 3.0) -> tuple[dict[int, str], int]:
+    def roll_call(self, window_s: float = 3.0, stuck: bool = True) -> tuple[dict[int, str], int]:
         """({rank: why it is gone or stuck}, the exit code to use). Empty when every other rank
-        is alive and at our step, i.e. the failure is this rank's own."""
+        is alive and at our step, i.e. the failure is this rank's own. `stuck=False` leaves out
+        live ranks that are behind our step."""
         others = [r for r in range(self.world) if r != self.rank]
         try:
             store = self._connect(5)
@@ -97,7 +139,7 @@ class Liveness:
                         code = int(c)  # every rank then ends the same way
                 elif r in pending:
                     gone[r] = "is not responding (killed, crashed, or its host is unreachable)"
-            if not gone:
+            if not gone and stuck:
                 for r in others:
                     key = self._key("step", r)
                     step = int(store.get(key)) if store.check([key]) else 0
@@ -129,3 +171,23 @@ def start(rank: int, world: int) -> Liveness | None:
 def note_step(step: int) -> None:
     if _current is not None:
         _current.step = step
+
+
+def set_timeout(seconds: float) -> None:
+    if _current is not None:
+        _current.timeout_s = seconds
+
+
+@contextmanager
+def waiting():
+    """Mark a collective that cannot time out by itself, so the watchdog looks after it."""
+    live = _current
+    if live is None:
+        yield
+        return
+    live.watch()
+    live.waiting_since = time.monotonic()
+    try:
+        yield
+    finally:
+        live.waiting_since = None

@@ -16,6 +16,7 @@ rank, 5 could not save, 75 preempted (checkpoint saved).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -441,10 +442,9 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     accelerate_state = cluster.align_accelerate_state(dist.backend)
 
     if s.backend == "deepspeed":
-        import deepspeed
-
-        # Hands our process group to deepspeed.comm (zero.Init reads the world size from it).
-        deepspeed.init_distributed(dist_backend=dist.backend)
+        # Hands our process group to deepspeed.comm (zero.Init reads the world size from it);
+        # on one CPU host its all-reduces then go through shared memory.
+        D.shared_memory_all_reduce()
     load_tag = None
     if resume is not None:
         root, tag, use_universal = resume
@@ -555,6 +555,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         "ranks": ranks,
         **({"accelerate": accelerate_state} if accelerate_state else {}),
         "backend": dist.backend,
+        "shm_all_reduce": bool(getattr(engine, "shm_all_reduce", False)),
         "device": str(dist.device),
         "precision": precision,
         "peak_flops_per_rank": peak,
@@ -575,9 +576,10 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         # The run keeps its own tokenizer copy, so exports work after the data folder moves.
         shutil.copytree(manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
         how = f"ZeRO-{stage}" if s.backend == "deepspeed" else "batch and clipping"
+        comm = dist.backend + (" + shm all-reduce" if getattr(engine, "shm_all_reduce", 0) else "")
         logger.console(
             f"zerostack: {s.backend} | {Path(cfg_path).name} ({how}) | {precision} | "
-            f"world {dist.world} ({dist.backend}) | model {s.model} {n_params / 1e6:.2f}M params | "
+            f"world {dist.world} ({comm}) | model {s.model} {n_params / 1e6:.2f}M params | "
             f"batch {micro}x{accum}x{dp_world}x{s.seq_len} tokens"
             + (
                 f" | pipeline {engine.stages} stages x {dp_world} data-parallel"
@@ -619,6 +621,10 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
     if dist.is_main and last_eval:
         (run_dir / "final_eval.json").write_text(json.dumps({"step": state.step, **last_eval}))
     logger.close()
+    # Free the engine (DDP's reducer holds the process group) while the group is alive: freed
+    # after destroy_process_group, gloo's destructor has been seen to deadlock at exit.
+    del engine, loader
+    gc.collect()
     D.teardown()
     return 0
 
