@@ -43,7 +43,13 @@ def launch(
         script,
         *args,
     ]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    marker = f"{os.getpid()}-{free_port()}"
+    full_env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "ZEROSTACK_TEST_LAUNCH": marker,
+        **(env or {}),
+    }
     # A new session, so a timeout kills the ranks too, not just the launcher.
     proc = subprocess.Popen(
         cmd,
@@ -58,7 +64,8 @@ def launch(
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        kill_marked(marker)
+        out, err = proc.communicate(timeout=60)
         raise AssertionError(
             f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}"
         ) from None
@@ -68,6 +75,20 @@ def launch(
             f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
         )
     return p
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process launched with ZEROSTACK_TEST_LAUNCH=marker. torchrun starts each
+    rank in a session of its own, and a rank can outlive it, so its process group is not enough
+    (a surviving rank keeps the output pipes open and `communicate` would wait forever)."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("ZEROSTACK_TEST_LAUNCH") == marker:
+                p.kill()
+        except psutil.Error:
+            continue
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
