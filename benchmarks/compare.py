@@ -124,6 +124,7 @@ def summarize(run_dir: Path, name: str) -> dict:
         "precision": resolved["precision"],
         "zero_stage": resolved["ds_config"].get("zero_optimization", {}).get("stage", 0),
         "n_params": resolved["n_params"],
+        "shm_all_reduce": resolved.get("shm_all_reduce", False),
         "batch_tokens": resolved["ds_config"]["train_batch_size"] * resolved["flags"]["seq_len"],
     }
 
@@ -270,7 +271,14 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "memory is the fullest rank's peak RSS on a CPU (max allocated on a GPU): it includes "
         "the Python, torch and DeepSpeed runtime, so model states show better in their own "
         "columns. Timings of the same command move by about 5% between runs, even on an idle "
-        "machine: `--repeats N` keeps the best of N.",
+        "machine: `--repeats N` keeps the best of N."
+        + (
+            " The DeepSpeed rows reduce gradients through DeepSpeed's shared-memory all-reduce "
+            "(every rank on one host; `ZEROSTACK_SHM_ALLREDUCE=0` sends them to gloo); DDP "
+            "and FSDP2 through gloo."
+            if any(r.get("shm_all_reduce") for r in done)
+            else ""
+        ),
         "",
         "| engine | precision | tokens/s | vs DDP | MFU | peak memory / rank (GiB) | "
         "params | grads | optimizer | buffers | model states / rank (MiB) | planned (MiB) | "
@@ -471,8 +479,12 @@ def main(argv: list[str] | None = None) -> int:
 
     names = ([] if a.no_reference else ["reference"]) + a.engines.split(",")
     results: dict[str, list[dict]] = {name: [] for name in names}
+    # The floors' runs go first and back to back: the host's speed drifts over minutes, and a
+    # ratio is only as good as the closeness in time of its two runs.
+    paired = [n for n in ("reference", "ddp", "zero2") if n in names]
+    order = paired + [n for n in names if n not in paired]
     for repeat in range(a.repeats):  # round-robin, so a busy spell does not hit one engine only
-        for name in names:
+        for name in order:
             if results[name] and "error" in results[name][0]:
                 continue  # refused or failed: once is enough
             print(f"running {name} ({repeat + 1}/{a.repeats}) ...", flush=True)
