@@ -77,6 +77,16 @@ def launch(
     return p
 
 
+def shm_has_room(ranks: int = 2) -> bool:
+    """Whether /dev/shm can hold DeepSpeed's shared-memory segments (66 MiB per rank): without
+    room the all-reduce route stays off (training/distributed.py), and tests expect that."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= ranks * 70 * 2**20
+
+
 def kill_marked(marker: str) -> None:
     """SIGKILL every process launched with ZEROSTACK_TEST_LAUNCH=marker. torchrun starts each
     rank in a session of its own, and a rank can outlive it, so its process group is not enough

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 
-from conftest import launch
+import pytest
+from conftest import launch, shm_has_room
 
 
 def test_shm_all_reduce_sums_like_gloo_and_leaves_nothing_behind():
     """2 real ranks: float32/bf16/fp16 sums over the kernel's chunk edges equal the exact sum
     (to the dtype's rounding) without touching gloo; MAX, int64, async, non-contiguous and
     sub-group calls still go to gloo and are right; no /dev/shm segment of the run remains."""
+    if not shm_has_room():
+        pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
     r = launch([], script="tests/scripts/shm_all_reduce.py")
     out = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("{")))
     assert out["routed"] is True
