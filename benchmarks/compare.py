@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {name: [] for name in names}
     # The floors' runs go first and back to back: the host's speed drifts over minutes, and a
     # ratio is only as good as the closeness in time of its two runs.
-    paired = [n for n in ("reference", "ddp", "zero2") if n in names]
+    paired = [n for run, against, _ in FLOORS for n in (against, run) if n in names]
+    paired = list(dict.fromkeys(paired))  # reference, ddp, zero2
     order = paired + [n for n in names if n not in paired]
     for repeat in range(a.repeats):  # round-robin, so a busy spell does not hit one engine only
         for name in order:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def launch(
         script,
         *args,
     ]
-    marker = f"{os.getpid()}-{free_port()}"
+    marker = uuid.uuid4().hex  # finds this launch's ranks if it times out
     full_env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",

@@ -538,6 +538,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         peak = D.broadcast_object(peak_flops(dist.device, dtype) if dist.is_main else None)
     peak_total = peak * dist.world
 
+    shm = bool(getattr(engine, "shm_all_reduce", False))  # DeepSpeed on one CPU host
     resolved = {
         "flags": vars(s),
         "ds_config_file": cfg_path,
@@ -555,7 +556,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         "ranks": ranks,
         **({"accelerate": accelerate_state} if accelerate_state else {}),
         "backend": dist.backend,
-        "shm_all_reduce": bool(getattr(engine, "shm_all_reduce", False)),
+        "shm_all_reduce": shm,
         "device": str(dist.device),
         "precision": precision,
         "peak_flops_per_rank": peak,
@@ -576,7 +577,7 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         # The run keeps its own tokenizer copy, so exports work after the data folder moves.
         shutil.copytree(manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
         how = f"ZeRO-{stage}" if s.backend == "deepspeed" else "batch and clipping"
-        comm = dist.backend + (" + shm all-reduce" if getattr(engine, "shm_all_reduce", 0) else "")
+        comm = dist.backend + (" + shm all-reduce" if shm else "")
         logger.console(
             f"zerostack: {s.backend} | {Path(cfg_path).name} ({how}) | {precision} | "
             f"world {dist.world} ({comm}) | model {s.model} {n_params / 1e6:.2f}M params | "

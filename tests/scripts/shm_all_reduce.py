@@ -5,7 +5,6 @@ Prints one JSON line on rank 0."""
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -67,15 +66,6 @@ if rank == 0:
     ds.all_reduce(v, group=sub)
     out["subgroup"] = v.tolist()
 out["gloo_calls_fallback"] = gloo_calls[0] - out["gloo_calls_routed"]
-# Timing of one 31 MB bf16 bucket, the route against gloo.
-big = torch.randn(15_500_000).to(torch.bfloat16)
-for name, fn in (("route", lambda: ds.all_reduce(big)), ("gloo", lambda: gloo_all_reduce(big))):
-    fn()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        fn()
-    out[f"{name}_ms"] = (time.perf_counter() - t0) / 3 * 1e3
 out["errors"] = errors
 dist.barrier()
 if rank == 0:
