@@ -113,3 +113,34 @@ def test_config_file_errors(tmp_path):
         C.load_json(bad)
     with pytest.raises(C.ConfigError, match="config file not found"):
         C.load_json(tmp_path / "missing.json")
+
+
+
+@pytest.mark.parametrize(
+    "name, device, itemsize",
+    [
+        ("zero1.json", "cpu", 2),
+        ("zero2.json", "cpu", 2),
+        ("zero2_offload.json", "cpu", 2),
+        ("fp32.json", "cpu", 4),
+        ("pipeline.json", "cpu", 4),  # bf16 with fp32 gradient accumulation
+        ("zero2.json", "cuda", None),
+        ("zero3.json", "cpu", None),  # ZeRO-3 allocates its bucket once
+    ],
+)
+def test_auto_reduce_bucket_stays_under_the_mmap_threshold_on_cpu(name, device, itemsize):
+    """ZeRO-1/2 allocate the reduce bucket every backward: on CPU the "auto" bucket stays below
+    glibc's largest mmap threshold (32 MiB), or every micro-batch page-faults it in again
+    (test_train checks that such a block comes from the heap)."""
+    raw = C.load_json(C.Path(__file__).parent.parent / "ds_configs" / name)
+    raw.setdefault("zero_optimization", {})["reduce_bucket_size"] = "auto"
+    flags = {**FLAGS, "micro_batch": 2}
+    out = C.resolve(raw, world=2, flags=flags, hidden_size=384, device_type=device)
+    bucket = out["zero_optimization"]["reduce_bucket_size"]
+    if itemsize is None:
+        assert bucket == 50_000_000
+    else:
+        assert C.CPU_BUCKET_BYTES - itemsize < bucket * itemsize <= C.CPU_BUCKET_BYTES < 2**25
+    raw["zero_optimization"]["reduce_bucket_size"] = 123_456_789  # a given value is kept
+    out = C.resolve(raw, world=2, flags=flags, hidden_size=384, device_type=device)
+    assert out["zero_optimization"]["reduce_bucket_size"] == 123_456_789

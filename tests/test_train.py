@@ -203,11 +203,13 @@ def test_deepspeed_launcher_runs_the_entry_point(tiny_data, tmp_path):
 
 @pytest.mark.parametrize("mode", ["keep", "default"])
 def test_cpu_ranks_keep_freed_memory(mode):
-    """After keep_freed_memory() a 20 MiB tensor comes from the heap (reused step after step);
-    with glibc's defaults it is a fresh mmap, unmapped when freed, faulted in again next time.
+    """After keep_freed_memory() a block as large as ZeRO's CPU reduce bucket may be
+    (config.CPU_BUCKET_BYTES) comes from the heap (reused step after step); with glibc's
+    defaults it is a fresh mmap, unmapped when freed, faulted in again next time.
     Read from glibc's own counters (mallinfo2) in a subprocess: mallopt is process-wide."""
     script = (
         "import ctypes, torch\n"
+        "from training.config import CPU_BUCKET_BYTES\n"
         "from training.distributed import keep_freed_memory\n"
         "class Info(ctypes.Structure):\n"
         "    _fields_ = [(n, ctypes.c_size_t) for n in 'arena ordblks smblks hblks hblkhd "
@@ -215,8 +217,9 @@ def test_cpu_ranks_keep_freed_memory(mode):
         "mallinfo2 = ctypes.CDLL(None).mallinfo2\n"
         "mallinfo2.restype = Info\n"
         "applied = keep_freed_memory()\n"
-        "x = torch.empty(5 * 2**20)\n"
-        "print(applied, mallinfo2().hblkhd)\n"
+        "before = mallinfo2().hblkhd\n"
+        "x = torch.empty(CPU_BUCKET_BYTES, dtype=torch.uint8)\n"
+        "print(applied, mallinfo2().hblkhd - before)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if mode == "default":
@@ -224,6 +227,6 @@ def test_cpu_ranks_keep_freed_memory(mode):
     out = subprocess.run([PY, "-c", script], capture_output=True, text=True, env=env, check=True)
     applied, mmapped = out.stdout.split()
     if mode == "keep":
-        assert applied == "True" and int(mmapped) < 20 * 2**20, out.stdout
+        assert applied == "True" and int(mmapped) == 0, out.stdout
     else:
         assert applied == "False" and int(mmapped) >= 20 * 2**20, out.stdout

@@ -146,10 +146,12 @@ def resolve(
     flags: dict[str, Any],
     hidden_size: int,
     source: str = "config",
+    device_type: str = "cuda",
 ) -> dict:
     """Apply flag overrides, resolve every "auto", derive and check the batch triplet.
 
     `flags` holds the trainer's values (argparse dests); a None value means "not given".
+    `device_type` is the accelerator's ("cpu", "cuda", ...): some defaults depend on it.
     Returns a new dict ready for `deepspeed.initialize` (no "auto" left anywhere)."""
     cfg = check_keys(copy.deepcopy(cfg), source)
     for flag, key in FLAG_KEYS.items():
@@ -173,7 +175,7 @@ def resolve(
         "optimizer.params.betas": [flags.get("beta1"), flags.get("beta2")],
         "optimizer.params.eps": flags.get("eps"),
         "optimizer.params.weight_decay": flags.get("weight_decay"),
-        "zero_optimization.reduce_bucket_size": max(hidden_size * hidden_size, 50_000_000),
+        "zero_optimization.reduce_bucket_size": reduce_bucket_size(cfg, hidden_size, device_type),
         "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
         "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
         "zero_optimization.allgather_bucket_size": max(hidden_size * hidden_size, 50_000_000),
@@ -191,6 +193,31 @@ def resolve(
         _set(cfg, path, autos[path])
 
     return cfg
+
+
+# glibc serves a block of 32 MiB or more (its largest mmap threshold) with a fresh mmap, which
+# is page-faulted in as it is written and unmapped when freed. Below that the heap recycles it.
+CPU_BUCKET_BYTES = 30 * 2**20
+
+
+def reduce_bucket_size(cfg: dict, hidden_size: int, device_type: str = "cuda") -> int:
+    """The "auto" reduce bucket, in elements: DeepSpeed's usual 50M (or one hidden x hidden
+    matrix, if larger); on CPU, ZeRO-1/2 keep it under CPU_BUCKET_BYTES.
+
+    ZeRO-1/2 allocate their reduce bucket anew for every backward. A GPU's caching allocator
+    hands the same block back; on CPU a 100 MB bf16 bucket was a fresh mmap every micro-batch,
+    and writing the gradients into it page-faulted ~24 ms per micro-batch on the `small` preset
+    (2 x 2 micro-batches per step). A bucket under the threshold comes from the heap, warm:
+    ZeRO-2 / DDP went from 0.94 to 1.00 (3 back-to-back rounds each). Two buckets per backward
+    instead of one cost nothing measurable."""
+    n = max(hidden_size * hidden_size, 50_000_000)
+    if device_type == "cpu" and zero_stage(cfg) in (1, 2):
+        wide = precision(cfg) == "fp32" or cfg.get("data_types", {}).get("grad_accum_dtype") in (
+            "fp32",
+            "float32",
+        )
+        n = min(n, CPU_BUCKET_BYTES // (4 if wide else 2))
+    return n
 
 
 PIPELINE_PARTITIONS = ("parameters", "blocks", "uniform")

@@ -188,7 +188,7 @@ def plan(
     P = shape.params
     off_opt = str(zo.get("offload_optimizer", {}).get("device", "none")).lower()
     off_par = str(zo.get("offload_param", {}).get("device", "none")).lower()
-    bucket = _int(zo.get("reduce_bucket_size"), max(shape.hidden**2, 50_000_000))
+    bucket = _int(zo.get("reduce_bucket_size"), C.reduce_bucket_size(ds_cfg, shape.hidden, device_type))
 
     params = w * P / dp if stage == 3 else w * P
     grads = w * P / dp if stage >= 2 else w * P
@@ -344,9 +344,15 @@ def fits(p: Plan, cap: Capacity) -> tuple[bool, str]:
     return ok, line
 
 
-def resolve_config(path: str | Path, shape: ModelShape, world: int, micro_batch: int | None):
-    """A ds_config file resolved as the trainer would (its flag defaults, this world size):
-    bad files and combinations raise ConfigError."""
+def resolve_config(
+    path: str | Path,
+    shape: ModelShape,
+    world: int,
+    micro_batch: int | None,
+    device_type: str = "cuda",
+):
+    """A ds_config file resolved as the trainer would on `device_type` (its flag defaults, this
+    world size): bad files and combinations raise ConfigError."""
     from training import config as C
     from training.train import parser
 
@@ -354,7 +360,14 @@ def resolve_config(path: str | Path, shape: ModelShape, world: int, micro_batch:
     flags["micro_batch"] = micro_batch
     flags["nvme_buffer_size"] = max(shape.largest_layer, 1 << 20)
     raw = C.load_json(path)
-    return C.resolve(raw, world=world, flags=flags, hidden_size=shape.hidden, source=str(path))
+    return C.resolve(
+        raw,
+        world=world,
+        flags=flags,
+        hidden_size=shape.hidden,
+        source=str(path),
+        device_type=device_type,
+    )
 
 
 def cheapest_fit(
@@ -365,7 +378,7 @@ def cheapest_fit(
         path = REPO / "ds_configs" / name
         if not path.is_file():
             continue
-        cfg = resolve_config(path, shape, world, micro_batch)
+        cfg = resolve_config(path, shape, world, micro_batch, cap.device_type)
         p = plan(
             shape, cfg, world, config_name=f"ds_configs/{name}", activation_checkpointing=ckpt, **kw
         )
@@ -458,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise C.ConfigError(f"--world must be at least 1, got {a.world}")
             vocab = a.vocab_size or (load_manifest(a.data).vocab_size if a.data else None)
             shape = model_shape(a.model, vocab)
-            cfg = resolve_config(a.ds_config, shape, a.world, a.micro_batch)
             cap = capacity(a.device, a.device_mem, a.host_mem, a.nvme_path)
+            cfg = resolve_config(a.ds_config, shape, a.world, a.micro_batch, cap.device_type)
         except (C.ConfigError, ModelError, DataError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -215,6 +215,7 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
     resume target is None or (checkpoint root, tag, whether to go through a universal copy)."""
     from data import load_manifest
     from training import checkpoint, cluster, config, nvme
+    from training.distributed import accelerator
 
     if s.steps < 1:
         raise config.ConfigError(f"--steps must be at least 1, got {s.steps}")
@@ -234,14 +235,17 @@ def prepare_run(s: Settings, world: int, rank: int = 0):
     raw = nvme.override_path(raw, s.nvme_path, cfg_path)
     flags = {**vars(s), **nvme.auto_values(s.nvme_path, Path(s.out), model_cfg)}
     ds_cfg = config.resolve(
-        raw, world=world, flags=flags, hidden_size=model_cfg.hidden_size, source=cfg_path
+        raw,
+        world=world,
+        flags=flags,
+        hidden_size=model_cfg.hidden_size,
+        source=cfg_path,
+        device_type=accelerator().device_name(),
     )
     if s.backend == "deepspeed" and nvme.nvme_sections(ds_cfg):
         nvme.check_aio(cfg_path)
     prec = s.precision or config.precision(ds_cfg)
     if s.backend == "deepspeed" and prec == "fp16":
-        from training.distributed import accelerator
-
         acc = accelerator()
         if not acc.is_fp16_supported():
             raise config.ConfigError(
