@@ -115,7 +115,6 @@ def test_config_file_errors(tmp_path):
         C.load_json(tmp_path / "missing.json")
 
 
-
 @pytest.mark.parametrize(
     "name, device, itemsize",
     [

@@ -188,7 +188,9 @@ def plan(
     P = shape.params
     off_opt = str(zo.get("offload_optimizer", {}).get("device", "none")).lower()
     off_par = str(zo.get("offload_param", {}).get("device", "none")).lower()
-    bucket = _int(zo.get("reduce_bucket_size"), C.reduce_bucket_size(ds_cfg, shape.hidden, device_type))
+    bucket = _int(
+        zo.get("reduce_bucket_size"), C.reduce_bucket_size(ds_cfg, shape.hidden, device_type)
+    )
 
     params = w * P / dp if stage == 3 else w * P
     grads = w * P / dp if stage >= 2 else w * P
