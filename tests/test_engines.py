@@ -294,6 +294,35 @@ def test_compare_report_from_the_runs(runs, tiny_data, init_model, tmp_path):
         assert (tmp_path / png).stat().st_size > 10_000
 
 
+def test_compare_starts_each_run_in_an_empty_folder(tiny_data, init_model, tmp_path):
+    """The trainer appends to a run folder's metrics.jsonl (a resumed run keeps its history):
+    a comparison row must hold its own run only, not every run left in runs/compare."""
+    import argparse
+
+    from benchmarks.compare import run_engine
+
+    stale = tmp_path / "ddp"
+    stale.mkdir()
+    old = {"kind": "train", "step": 1, "loss": 9.0, "tokens_per_s": 1e12, "mfu": 1.0}
+    (stale / "metrics.jsonl").write_text(json.dumps({**old, "peak_mem_gb": 99.0}) + "\n")
+    a = argparse.Namespace(
+        data=str(tiny_data),
+        init=str(init_model),
+        seq_len=64,
+        micro_batch=1,
+        grad_accum=1,
+        steps=4,
+        seed=1234,
+        lr=1e-3,
+        eval_samples=4,
+        ranks=2,
+        runs=str(tmp_path),
+    )
+    row = run_engine("ddp", a)
+    assert [step for step, _ in row["curve"]] == [1, 2, 3, 4], row.get("error", row["curve"])
+    assert row["tokens_per_s"] < 1e9 and row["peak_mem_gb"] < 99.0
+
+
 def test_compare_floors_use_paired_rounds():
     """With repeats, a floor is the median of per-round ratios, not best against best: a fast
     spell in one round must not decide it."""
