@@ -212,11 +212,9 @@ def reduce_bucket_size(cfg: dict, hidden_size: int, device_type: str = "cuda") -
     instead of one cost nothing measurable."""
     n = max(hidden_size * hidden_size, 50_000_000)
     if device_type == "cpu" and zero_stage(cfg) in (1, 2):
-        wide = precision(cfg) == "fp32" or cfg.get("data_types", {}).get("grad_accum_dtype") in (
-            "fp32",
-            "float32",
-        )
-        n = min(n, CPU_BUCKET_BYTES // (4 if wide else 2))
+        accum = str(cfg.get("data_types", {}).get("grad_accum_dtype", "")).lower()
+        itemsize = 4 if precision(cfg) == "fp32" or accum in ("fp32", "float32") else 2
+        n = min(n, CPU_BUCKET_BYTES // itemsize)
     return n
 
 
