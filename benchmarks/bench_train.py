@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -34,7 +33,6 @@ def _port() -> int:
 
 def run_config(name: str, a, out_root: Path) -> dict:
     out = out_root / name
-    shutil.rmtree(out, ignore_errors=True)  # the trainer appends to an old run's metrics.jsonl
     cmd = [
         sys.executable,
         "-m",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -91,9 +90,6 @@ def engine_flags(name: str) -> list[str]:
 
 def run_engine(name: str, a, repeat: int = 0) -> dict:
     out = Path(a.runs) / (name if repeat == 0 else f"{name}.{repeat}")
-    # The trainer appends to a run folder's metrics.jsonl (that is how a resumed run keeps its
-    # history): start each run in an empty folder, or its rows would mix with earlier runs'.
-    shutil.rmtree(out, ignore_errors=True)
     t = time.time()
     p = _torchrun(a, "training/train.py", [*job_flags(a), *engine_flags(name), "--out", str(out)])
     if p.returncode != 0:

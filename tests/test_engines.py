@@ -294,9 +294,9 @@ def test_compare_report_from_the_runs(runs, tiny_data, init_model, tmp_path):
         assert (tmp_path / png).stat().st_size > 10_000
 
 
-def test_compare_starts_each_run_in_an_empty_folder(tiny_data, init_model, tmp_path):
-    """The trainer appends to a run folder's metrics.jsonl (a resumed run keeps its history):
-    a comparison row must hold its own run only, not every run left in runs/compare."""
+def test_a_run_from_step_0_does_not_mix_in_an_earlier_runs_metrics(tiny_data, init_model, tmp_path):
+    """A run from step 0 starts a new metrics.jsonl (only a resumed run adds to one): a
+    comparison row holds its own run only, not every run left in runs/compare."""
     import argparse
 
     from benchmarks.compare import run_engine

@@ -113,7 +113,10 @@ class RunLogger:
         self._jsonl = None
         if not enabled:
             return
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        # A resumed run adds to its history; a run from step 0 starts a new one (an earlier run
+        # left in the folder would otherwise mix into every reader's numbers).
+        mode = "a" if start_step > 0 else "w"
+        self._jsonl = open(run_dir / "metrics.jsonl", mode, buffering=1)
         try:
             from torch.utils.tensorboard import SummaryWriter
 

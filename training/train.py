@@ -445,10 +445,9 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
             resume = (root, tag, _plan_resume(s, ds_cfg, dist.world, dist.rank, root, tag))
     accelerate_state = cluster.align_accelerate_state(dist.backend)
 
-    if s.backend == "deepspeed":
-        # Hands our process group to deepspeed.comm (zero.Init reads the world size from it);
-        # on one CPU host its all-reduces then go through shared memory.
-        D.shared_memory_all_reduce()
+    # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
+    # CPU host its all-reduces then go through shared memory.
+    shm = s.backend == "deepspeed" and D.shared_memory_all_reduce()
     load_tag = None
     if resume is not None:
         root, tag, use_universal = resume
@@ -542,7 +541,6 @@ def _train(s: Settings, ds_cfg: dict, manifest, model_cfg, resume, cfg_path: str
         peak = D.broadcast_object(peak_flops(dist.device, dtype) if dist.is_main else None)
     peak_total = peak * dist.world
 
-    shm = bool(getattr(engine, "shm_all_reduce", False))  # DeepSpeed on one CPU host
     resolved = {
         "flags": vars(s),
         "ds_config_file": cfg_path,

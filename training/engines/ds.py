@@ -8,7 +8,6 @@ import math
 import deepspeed
 import torch
 
-from training.distributed import shared_memory_all_reduce
 from training.engines import StepResult
 from training.memory import state_bytes
 from training.nonfinite import poison
@@ -30,8 +29,6 @@ class DeepSpeedEngine:
                 eps=settings.eps,
                 device_type=device.type,
             )
-        # On one CPU host DeepSpeed's gradient all-reduces go through shared memory, not gloo.
-        self.shm_all_reduce = shared_memory_all_reduce()
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
         # from the same parameter groups.
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
