@@ -98,7 +98,7 @@ sys.path.insert(0, {str(REPO)!r})
 torch.set_num_threads({threads})
 from data import BatchLoader, TokenDataset, load_manifest
 from models import build_model, flops_per_token, set_attention_kernel
-from training.metrics import peak_flops
+from training.runtime.flops import peak_flops
 m = load_manifest({a.data!r})
 torch.manual_seed(1234)
 model = build_model({a.model!r}, vocab_size=m.vocab_size)
@@ -172,7 +172,7 @@ def write_table(rows: list[dict], a) -> None:
     ref = rows[0].get("tokens_per_s")
     import torch
 
-    from training.metrics import cpu_name
+    from training.runtime.flops import cpu_name
 
     cpu = cpu_name()
 

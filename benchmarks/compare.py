@@ -109,7 +109,7 @@ def summarize(run_dir: Path, name: str) -> dict:
     states = next((r for r in recs if r["kind"] == "state_bytes"), {})
     evals = [r for r in recs if r["kind"] == "eval"]
     resolved = json.loads((Path(run_dir) / "resolved_config.json").read_text())
-    from training.memory_plan import planned_model_states
+    from training.memory.plan import planned_model_states
 
     return {
         "name": name,
@@ -151,10 +151,10 @@ def reference(argv: list[str]) -> None:
 
     from data import BatchLoader, TokenDataset, load_manifest
     from models import build_model, flops_per_token, pick_attention_kernel, set_attention_kernel
-    from training.metrics import peak_flops
-    from training.train import Settings, parser
+    from training.runtime.flops import peak_flops
+    from training.settings.flags import Settings
 
-    s = Settings(**vars(parser().parse_args(argv)))
+    s = Settings.parse(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer does
@@ -227,7 +227,7 @@ def machine() -> str:
     import deepspeed
     import torch
 
-    from training.metrics import cpu_name
+    from training.runtime.flops import cpu_name
 
     cpu = cpu_name()
     return (

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from data.files import sha256_file
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
@@ -101,14 +103,6 @@ def dtype_for_vocab(vocab_size: int, dtype: str = "auto") -> str:
             "use --dtype uint32 or auto"
         )
     return dtype
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def sha256_dir(path: Path) -> str:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from data.files import pid_alive
 from data.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -202,18 +203,8 @@ def _remove_stale_partials(out: Path) -> None:
     """Delete partial folders left by killed runs (their process is gone) for the same --out."""
     for p in out.parent.glob(f".{out.name}.partial-*"):
         pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _publish(tmp: Path, out: Path, args: dict[str, Any]) -> None:

@@ -97,7 +97,7 @@ def check_versions(v: dict[str, str]) -> tuple[str, str]:
 def check_backend() -> tuple[str, str, str | None]:
     import torch.distributed as dist
 
-    from training.distributed import accelerator
+    from training.runtime.distributed import accelerator
 
     acc = accelerator()
     backend = acc.communication_backend_name()
@@ -221,7 +221,7 @@ def run(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from training import distributed as D
+    from training.runtime import distributed as D
 
     try:
         info = D.setup(timeout_s=a.timeout, local_rank_arg=a.local_rank)

@@ -1,11 +1,11 @@
-"""zerostack's causal LM: config, presets, model, HF adapter, factory and pipeline form.
+"""zerostack's causal LM: config, presets, model, HF adapter, factory and pipeline layers.
 
-The pipeline form imports DeepSpeed only when a PipelineModule is built, so `import models` stays light.
+Nothing here imports DeepSpeed or training/: engines apply parallelism to the model from outside.
 """
 
 from models.config import ZeroStackConfig
 from models.errors import ModelError
-from models.factory import build_model
+from models.factory import Partitioned, build_model
 from models.hf_adapter import (
     from_llama_config,
     from_llama_state_dict,
@@ -20,7 +20,6 @@ from models.llama import (
     set_attention_kernel,
 )
 from models.pipeline import (
-    build_pipeline_module,
     model_state_dict_to_pipeline,
     pipeline_loss,
     pipeline_state_dict_to_model,
@@ -30,10 +29,10 @@ from models.presets import PRESETS, flops_per_token, get_config, num_params
 __all__ = [
     "PRESETS",
     "ModelError",
+    "Partitioned",
     "ZeroStackConfig",
     "ZeroStackForCausalLM",
     "build_model",
-    "build_pipeline_module",
     "causal_lm_loss",
     "flops_per_token",
     "from_llama_config",

@@ -3,10 +3,17 @@
 Folders: our own `save_pretrained` output, an exported (or any compatible) `LlamaForCausalLM` folder, which is
 loaded into our class through the adapter, or any other `AutoModelForCausalLM` folder (GPT-2, Qwen2, ...). A
 folder with a config.json and no weights builds that architecture freshly initialised.
+
+The model knows nothing of the engine that will train it. An engine that partitions parameters while the model
+is built (DeepSpeed ZeRO-3) builds it inside its own construction context and hands `build_model` a
+`Partitioned`: how to see a partitioned parameter whole while its value is set (training/engines/construct.py).
 """
 
+import contextlib
 import glob
 import os
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -20,12 +27,19 @@ from models.presets import PRESETS, get_config
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 
 
+class Partitioned(Protocol):
+    """Parameters that live partitioned across ranks while the model is built."""
+
+    def gathered(self, params: list[nn.Parameter]) -> AbstractContextManager:
+        """Inside: `params` are whole on every rank, and what rank 0 writes into them is kept."""
+
+
 def build_model(
     spec: str | os.PathLike,
     *,
     vocab_size: int | None = None,
     overrides: dict | None = None,
-    zero3_config: dict | None = None,
+    partitioned: Partitioned | None = None,
     dtype: torch.dtype | None = None,
 ) -> PreTrainedModel:
     """Build the model named by spec: a preset (see PRESETS) or a local folder.
@@ -33,28 +47,23 @@ def build_model(
     vocab_size: the data tokenizer's vocabulary. It replaces a preset's; a folder's model is resized only when
         its own vocabulary is smaller (larger, padded vocabularies are kept).
     overrides: config fields to change (e.g. {"max_position_embeddings": 4096}).
-    zero3_config: a DeepSpeed config dict with ZeRO stage 3. The model is then built under
-        `deepspeed.zero.Init` so each rank only ever holds its partition, and weights are initialised or loaded
-        one module at a time. The `HfDeepSpeedConfig` that makes transformers do this is kept alive as
-        `model.hf_deepspeed_config`: while the model lives, transformers treats ZeRO-3 as on (which is what
-        makes `generate` use `synced_gpus`). torch.distributed must be initialised first.
+    partitioned: given when the caller builds the model under an engine's partitioning context (ZeRO-3): weights
+        are then initialised or loaded one module at a time, each gathered whole while it is set.
     dtype: parameter dtype; None means float32 (the engine casts for mixed precision).
     Seeds are the caller's to set. Returns a `transformers.PreTrainedModel`; bad specs raise ModelError.
     """
     spec = os.fspath(spec)
     overrides = dict(overrides or {})
     dtype = dtype or torch.float32
-    keep_alive = _zero3_context(zero3_config) if zero3_config is not None else None
-
     if spec in PRESETS:
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
         # Drawn before construction, which consumes the RNG differently under ZeRO-3.
         base_seed = int(torch.randint(0, 2**62, (1,)).item())
         model = ZeroStackForCausalLM._from_config(get_config(spec, **overrides), dtype=dtype)
-        seeded_init(model, base_seed, zero3=zero3_config is not None)
+        seeded_init(model, base_seed, partitioned)
     elif os.path.isdir(spec):
-        model = _from_folder(spec, overrides, dtype)
+        model = _from_folder(spec, overrides, dtype, partitioned)
         if vocab_size is not None and vocab_size > model.config.vocab_size:
             model.resize_token_embeddings(vocab_size)
     else:
@@ -62,12 +71,12 @@ def build_model(
             f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}) and not a folder"
         )
 
-    if keep_alive is not None:
-        model.hf_deepspeed_config = keep_alive
     return model
 
 
-def seeded_init(model: ZeroStackForCausalLM, base_seed: int, zero3: bool = False) -> None:
+def seeded_init(
+    model: ZeroStackForCausalLM, base_seed: int, partitioned: Partitioned | None = None
+) -> None:
     """Re-draw every weight from a generator of its own, seeded from the caller's torch seed and
     the module's position, so a preset starts from the same weights however it is built: whole,
     or partitioned under ZeRO-3 (where construction consumes the global RNG differently). That is
@@ -80,7 +89,7 @@ def seeded_init(model: ZeroStackForCausalLM, base_seed: int, zero3: bool = False
             continue
         seen.update(id(p) for p in params)
         gen = torch.Generator().manual_seed(base_seed + i)
-        gather = _gathered(params) if zero3 else _nothing()
+        gather = partitioned.gathered(params) if partitioned else contextlib.nullcontext()
         with gather, torch.no_grad():
             for p in params:
                 if p.dim() == 1:  # norm scales
@@ -91,29 +100,9 @@ def seeded_init(model: ZeroStackForCausalLM, base_seed: int, zero3: bool = False
                     p.copy_(w)
 
 
-def _gathered(params):
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def _zero3_context(zero3_config: dict):
-    from transformers.integrations import HfDeepSpeedConfig
-
-    stage = zero3_config.get("zero_optimization", {}).get("stage")
-    if stage != 3:
-        raise ModelError(f"zero3_config must have zero_optimization.stage 3, got {stage!r}")
-    # transformers builds under deepspeed.zero.Init(config_dict_or_path=zero3_config) while this object lives.
-    return HfDeepSpeedConfig(zero3_config)
-
-
-def _from_folder(path: str, overrides: dict, dtype: torch.dtype) -> PreTrainedModel:
+def _from_folder(
+    path: str, overrides: dict, dtype: torch.dtype, partitioned: Partitioned | None
+) -> PreTrainedModel:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelError(f"folder {path} holds no model: it has no config.json")
     try:
@@ -128,7 +117,7 @@ def _from_folder(path: str, overrides: dict, dtype: torch.dtype) -> PreTrainedMo
         # Train our own (faster) model on Llama weights: same shapes, renamed parameters.
         model = ZeroStackForCausalLM._from_config(from_llama_config(config), dtype=dtype)
         if has_weights:
-            _load_llama_weights(model, path)
+            _load_llama_weights(model, path, partitioned)
         return model
     try:
         if has_weights:
@@ -138,7 +127,7 @@ def _from_folder(path: str, overrides: dict, dtype: torch.dtype) -> PreTrainedMo
         raise ModelError(f"folder {path} holds no causal LM: {str(e).splitlines()[0]}") from None
 
 
-def _load_llama_weights(model: nn.Module, path: str) -> None:
+def _load_llama_weights(model: nn.Module, path: str, partitioned: Partitioned | None) -> None:
     """Copy a Llama folder's weights into our model, one parameter at a time (gathered under ZeRO-3)."""
     from safetensors import safe_open
 
@@ -171,11 +160,8 @@ def _load_llama_weights(model: nn.Module, path: str) -> None:
         )
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     for name, param in model.named_parameters():
-        if hasattr(param, "ds_id"):
-            import deepspeed
-
-            # ZeRO-3 partitioned: gather, fill on rank 0, re-partition from rank 0
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+        if partitioned is not None:  # gather, fill on rank 0, re-partition from rank 0
+            with partitioned.gathered([param]), torch.no_grad():
                 if rank == 0:
                     param.copy_(read(name))
         else:

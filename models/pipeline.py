@@ -1,4 +1,7 @@
-"""The same model as a DeepSpeed `PipelineModule`: embedding, one layer per block, final norm, head.
+"""The same model as a sequence of pipeline layers: embedding, one layer per block, final norm, head.
+
+training/engines/pipeline.py stacks them into a DeepSpeed `PipelineModule` (this package does not import
+DeepSpeed).
 
 Layer i of the pipeline holds exactly the weights of one piece of `ZeroStackForCausalLM`, so the two state
 dicts map one-to-one (`pipeline_state_dict_to_model` / `model_state_dict_to_pipeline`). DeepSpeed names a
@@ -60,51 +63,13 @@ class HeadPipe(nn.Linear):
         init_weights(self, config.initializer_range)
 
 
-def _tied_head(embedding: EmbeddingPipe, h: torch.Tensor) -> torch.Tensor:
+def tied_head(embedding: EmbeddingPipe, h: torch.Tensor) -> torch.Tensor:
     return F.linear(h, embedding.weight)
 
 
 def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss in fp32; labels are already-shifted targets, as long as the input (-100 ignored)."""
     return causal_lm_loss(logits, shift_labels=labels)
-
-
-def build_pipeline_module(
-    config: ZeroStackConfig,
-    *,
-    num_stages: int,
-    partition_method: str = "parameters",
-    activation_checkpoint_interval: int = 0,
-    loss_fn=None,
-):
-    """config -> `deepspeed.pipe.PipelineModule` over num_stages stages (call deepspeed.init_distributed() first).
-
-    loss_fn(logits, labels) defaults to `pipeline_loss`. With activation_checkpoint_interval > 0, only the
-    blocks are recomputed: the embedding's input (token ids) carries no gradient.
-    """
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-
-    tied = config.tie_word_embeddings
-    specs = [
-        TiedLayerSpec(TIED_KEY, EmbeddingPipe, config) if tied else LayerSpec(EmbeddingPipe, config)
-    ]
-    specs += [LayerSpec(BlockPipe, config, i) for i in range(config.num_hidden_layers)]
-    specs.append(LayerSpec(NormPipe, config))
-    if tied:
-        specs.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, forward_fn=_tied_head))
-    else:
-        specs.append(LayerSpec(HeadPipe, config))
-    module = PipelineModule(
-        layers=specs,
-        num_stages=num_stages,
-        loss_fn=loss_fn or pipeline_loss,
-        partition_method=partition_method,
-        activation_checkpoint_interval=activation_checkpoint_interval,
-        checkpointable_layers=[BlockPipe.__name__],
-    )
-    # Lets the module's own forward checkpoint outside a pipeline engine too (the engine would do this itself).
-    module.set_checkpoint_interval(activation_checkpoint_interval)
-    return module
 
 
 def model_state_dict_to_pipeline(sd: dict, config: ZeroStackConfig) -> dict:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from training import config as C
+from training.settings import ds_config as C
 
 FLAGS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 

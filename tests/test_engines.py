@@ -209,9 +209,9 @@ def test_native_checkpoint_exports_to_hf(runs, tmp_path, backend):
     from transformers import AutoModelForCausalLM
 
     from models import ZeroStackForCausalLM
+    from training.checkpoints.export import export
+    from training.checkpoints.weights import config_from_dict
     from training.engines import load_full_state_dict
-    from training.export import export
-    from training.weights import config_from_dict
 
     folder = runs[backend] / "checkpoints" / f"step_{STEPS:08d}"
     hf = export(runs[backend], tmp_path / "hf")

@@ -14,9 +14,9 @@ from conftest import PY, REPO, launch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from training import checkpoint as ckpt
-from training.export import export, export_report, main
-from training.weights import load_model
+from training.checkpoints import layout as ckpt
+from training.checkpoints.export import export, export_report, main
+from training.checkpoints.weights import load_model
 
 COMMON = [
     "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--log-every", "1",

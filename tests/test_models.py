@@ -22,7 +22,6 @@ from models import (
     ZeroStackConfig,
     ZeroStackForCausalLM,
     build_model,
-    build_pipeline_module,
     causal_lm_loss,
     flops_per_token,
     from_llama_state_dict,
@@ -368,6 +367,8 @@ def one_rank_group():
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_pipeline_layers_reassemble_into_the_model(one_rank_group, tied):
+    from training.engines.pipeline import build_pipeline_module  # the engine stacks our layers
+
     config = tiny(tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = ZeroStackForCausalLM(config).eval()

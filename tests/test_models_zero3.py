@@ -1,4 +1,5 @@
-"""ZeRO-3 construction on 2 real ranks: each rank holds only its partition, from a preset and from a Llama folder.
+"""ZeRO-3 construction on 2 real ranks (training/engines/construct.py: the engine builds the model inside
+DeepSpeed's construction context): each rank holds only its partition, from a preset and from a Llama folder.
 
 Run by pytest, which launches this same file under torch.distributed.run; the worker is the __main__ part.
 """
@@ -45,7 +46,8 @@ def _worker(folder: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from models import ZeroStackForCausalLM, build_model, get_config, num_params, save_llama
+    from models import ZeroStackForCausalLM, get_config, num_params, save_llama
+    from training.engines.construct import build_for_engine
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -57,7 +59,7 @@ def _worker(folder: str) -> None:
 
     # 1. A preset built under zero.Init: every parameter is partitioned as it is created.
     torch.manual_seed(0)
-    model = build_model("small", zero3_config=ZERO3)
+    model = build_for_engine("small", vocab_size=None, backend="deepspeed", ds_config=ZERO3)
     config = model.config
     params = list(model.parameters())
     for p in params:
@@ -85,7 +87,7 @@ def _worker(folder: str) -> None:
     dist.barrier()
     torch.manual_seed(1)
     reference = ZeroStackForCausalLM(get_config("tiny"))  # same seed, same weights on every rank
-    loaded = build_model(llama_dir, zero3_config=ZERO3)
+    loaded = build_for_engine(llama_dir, vocab_size=None, backend="deepspeed", ds_config=ZERO3)
     assert isinstance(loaded, ZeroStackForCausalLM)
     assert all(p.numel() == 0 for p in loaded.parameters())
     state = gathered_state(loaded)

@@ -238,7 +238,7 @@ def test_stop_signals_in_one_process():
     Ctrl-C exits at once with 130."""
     code = (
         "import os, signal, sys, time\n"
-        "from training import signals\n"
+        "from training.runtime import signals\n"
         "s = signals.install(rank=0)\n"
         "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)\n"
@@ -256,10 +256,18 @@ def test_stop_signals_in_one_process():
 
 
 # ------------------------------------------------------------------------------ non-finite
+NAN_TRAIN = "tests/scripts/nan_train.py"  # the trainer with NaN input embeddings on some steps
+
+
 def test_nan_steps_are_skipped_counted_and_stop_the_run(tiny_data, tmp_path):
     out = tmp_path / "nan"
     env = {"ZEROSTACK_TEST_NAN_STEPS": "3,5,6,7"}  # on rank 1 only: all ranks must skip
-    r = launch(args(tiny_data, out, "--max-bad-steps", "3", save_every=2), env=env, check=False)
+    r = launch(
+        args(tiny_data, out, "--max-bad-steps", "3", save_every=2),
+        env=env,
+        check=False,
+        script=NAN_TRAIN,
+    )
     text = r.stdout + r.stderr
     assert rank_exit_codes(text) == [3, 3], text[-3000:]
     assert (
@@ -327,7 +335,11 @@ def test_a_skipped_step_leaves_weights_and_optimizer_untouched(tiny_data, tmp_pa
         engine = ["--ds_config", f"ds_configs/{config}.json"]
     out = tmp_path / "run"
     extra = [*engine, "--stop-at", "3", "--keep-last", "0"]
-    launch(args(tiny_data, out, *extra, save_every=1), env={"ZEROSTACK_TEST_NAN_STEPS": "3"})
+    launch(
+        args(tiny_data, out, *extra, save_every=1),
+        env={"ZEROSTACK_TEST_NAN_STEPS": "3"},
+        script=NAN_TRAIN,
+    )
     s1, s2, s3 = (_state(out / "checkpoints" / f"step_0000000{i}") for i in (1, 2, 3))
     assert len(s2) > 10
     assert not _same(s1, s2)  # a normal step changes the state ...
@@ -356,7 +368,7 @@ def _snapshot(folder: Path) -> dict:
 
 
 def test_a_corrupted_byte_is_found_on_load(tiny_data, reference, tmp_path):
-    from training import integrity
+    from training.checkpoints import integrity
 
     out = _copy_run(reference, tmp_path / "corrupt")
     ckpts = out / "checkpoints"

@@ -106,7 +106,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
         "2",
         "--master_port",
         str(free_port()),
-        "training/train.py",
+        "tests/scripts/hold_save_train.py",  # holds the save of step 4 open
         *train_args(tiny_data, out, "--steps", "6", "--save-every", "2"),
     ]
     env = {**os.environ, "ZEROSTACK_TEST_HOLD_SAVE": "4:60", "PYTHONUNBUFFERED": "1"}
@@ -209,8 +209,8 @@ def test_cpu_ranks_keep_freed_memory(mode):
     Read from glibc's own counters (mallinfo2) in a subprocess: mallopt is process-wide."""
     script = (
         "import ctypes, torch\n"
-        "from training.config import CPU_BUCKET_BYTES\n"
-        "from training.distributed import keep_freed_memory\n"
+        "from training.settings.ds_config import CPU_BUCKET_BYTES\n"
+        "from training.runtime.distributed import keep_freed_memory\n"
         "class Info(ctypes.Structure):\n"
         "    _fields_ = [(n, ctypes.c_size_t) for n in 'arena ordblks smblks hblks hblkhd "
         "usmblks fsmblks uordblks fordblks keepcost'.split()]\n"

@@ -26,11 +26,11 @@ import pytest
 import torch
 from conftest import UNIVERSAL_ARGS, launch, read_metrics
 
-from training import checkpoint as ckpt
-from training import universal
-from training.checkpoint import CheckpointError
-from training.universal import Topology, ensure, model_name, plan
-from training.zero_files import ZeroFiles
+from training.checkpoints import layout as ckpt
+from training.checkpoints import universal
+from training.checkpoints.universal import Topology, ensure, model_name, plan
+from training.checkpoints.zero_files import ZeroFiles
+from training.errors import CheckpointError
 
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 

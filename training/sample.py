@@ -21,6 +21,7 @@ def generate(
     seed: int = 0,
 ) -> str:
     """Load `hf_dir` with AutoModelForCausalLM/AutoTokenizer and continue `prompt`."""
+    # Heavy: imported once the folder is known to hold a model (so --help and errors are fast).
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -5,10 +5,10 @@
 CONFIG is a ds_configs name (zero0 ... zero3; ZeRO-3 ones last: transformers builds every later
 model partitioned while a ZeRO-3 one lives). For each, in one process group: the trainer's own
 config rule, model factory and DeepSpeed engine, micro-batch 1 x 2 accumulation steps, and
-`engine.state_bytes()` (training/memory.py, the count the training loop logs and
+`engine.state_bytes()` (training/memory/state_bytes.py, the count the training loop logs and
 benchmarks/compare reports) after the first micro-batch of the second step, where the loop
 measures: gradients and optimizer states both exist then. Rank 0 writes
-{config: {"measured": [rank 0, rank 1, ...], "plan": training.memory_plan's per-rank plan}}.
+{config: {"measured": [rank 0, rank 1, ...], "plan": training/memory/plan.py's per-rank plan}}.
 """
 
 import gc
@@ -23,26 +23,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data import load_manifest  # noqa: E402
-from models import build_model  # noqa: E402
-from training import config as C  # noqa: E402
-from training import distributed as D  # noqa: E402
-from training import memory_plan  # noqa: E402
-from training.engines import build_engine  # noqa: E402
-from training.train import REPO, Settings, parser  # noqa: E402
+from training.engines import OptimizerConfig, build_engine  # noqa: E402
+from training.engines.construct import build_for_engine  # noqa: E402
+from training.memory import plan as memory_plan  # noqa: E402
+from training.runtime import distributed  # noqa: E402
+from training.settings import ds_config  # noqa: E402
+from training.settings.flags import Settings  # noqa: E402
 
 
 def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
     argv = ["--data", data, "--out", "-", "--model", model, "--micro-batch", "1"]
-    s = Settings(**vars(parser().parse_args([*argv, "--grad-accum", "2"])))
+    s = Settings.parse([*argv, "--grad-accum", "2"])
     vocab = load_manifest(data).vocab_size
     shape = memory_plan.model_shape(model, vocab)
-    raw = C.load_json(REPO / "ds_configs" / f"{name}.json")
-    ds_cfg = C.resolve(raw, world=dist.world, flags=vars(s), hidden_size=shape.hidden)
+    raw = ds_config.load_json(ds_config.CONFIG_DIR / f"{name}.json")
+    ds_cfg = ds_config.resolve(raw, world=dist.world, flags=s.as_flags(), hidden_size=shape.hidden)
     plan = memory_plan.plan(shape, ds_cfg, dist.world, config_name=name, seq_len=32)
     torch.manual_seed(0)
-    stage = C.zero_stage(ds_cfg)
-    net = build_model(model, vocab_size=vocab, zero3_config=ds_cfg if stage == 3 else None)
-    engine = build_engine("deepspeed", model=net, ds_config=ds_cfg, settings=s, device=dist.device)
+    net = build_for_engine(model, vocab_size=vocab, backend="deepspeed", ds_config=ds_cfg)
+    engine = build_engine(
+        "deepspeed",
+        model=net,
+        ds_config=ds_cfg,
+        optimizer=OptimizerConfig(s.lr, (s.beta1, s.beta2), s.eps, s.weight_decay),
+        device=dist.device,
+        precision=ds_config.precision(ds_cfg),
+    )
     x = torch.randint(0, vocab, (1, 32))
     for step in range(2):
         engine.forward_backward(x, x, boundary=False)
@@ -57,17 +63,17 @@ def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
 
 def main() -> None:
     data, model, out_path, *configs = sys.argv[1:]
-    dist = D.setup()
+    dist = distributed.setup()
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=dist.backend)
     results = {}
     for name in configs:
         measured, plan = measure(name, data, model, dist)
-        results[name] = {"measured": D.all_gather_object(measured), "plan": plan}
+        results[name] = {"measured": distributed.all_gather_object(measured), "plan": plan}
     if dist.is_main:
         Path(out_path).write_text(json.dumps(results, indent=1))
-    D.teardown()
+    distributed.teardown()
 
 
 if __name__ == "__main__":

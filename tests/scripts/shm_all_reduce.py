@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import deepspeed.comm as ds  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from training import distributed  # noqa: E402
+from training.runtime import distributed, shm  # noqa: E402
 
 info = distributed.setup(timeout_s=60)
-routed = distributed.shared_memory_all_reduce()
+routed = shm.shared_memory_all_reduce()
 ds.init_distributed(dist_backend=info.backend)  # a no-op when the route did it
 rank, world = info.rank, info.world
 gloo_calls = [0]

@@ -13,12 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed.comm as ds  # noqa: E402
 
-from training import distributed, exits  # noqa: E402
+from training.guard import run_guarded  # noqa: E402
+from training.runtime import distributed, shm  # noqa: E402
 
 
 def train():
     info = distributed.setup(timeout_s=float(sys.argv[2]))
-    assert distributed.shared_memory_all_reduce()
+    assert shm.shared_memory_all_reduce()
     t = torch.ones(1000)
     ds.all_reduce(t)  # both ranks get through one
     print(f"rank {info.rank} pid {os.getpid()} ready", flush=True)
@@ -29,4 +30,4 @@ def train():
 
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-sys.exit(exits.run_guarded(train, rank=rank, world=world, run_dir=sys.argv[1]))
+sys.exit(run_guarded(train, rank=rank, world=world, run_dir=sys.argv[1]))

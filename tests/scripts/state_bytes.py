@@ -4,7 +4,7 @@
 
 ENGINE is ddp, fsdp or a ds_configs name (zero0 ... zero3). For each, in turn: the trainer's own
 config rule, model factory and engine, 2 micro-batches per step; `engine.state_bytes()` after
-the first micro-batch of the second step, where the training loop measures (training/loop.py). Rank 0 writes {engine: [rank 0, rank 1, ...]}.
+the first micro-batch of the second step, where the training loop measures (training/loop/loop.py). Rank 0 writes {engine: [rank 0, rank 1, ...]}.
 Building the engines in one process saves the ~10 s start-up of a run per engine.
 """
 
@@ -19,33 +19,37 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data import load_manifest  # noqa: E402
-from models import build_model  # noqa: E402
-from training import config as C  # noqa: E402
-from training import distributed as D  # noqa: E402
-from training.engines import build_engine  # noqa: E402
-from training.train import REPO, Settings, parser  # noqa: E402
+from training.engines import OptimizerConfig, build_engine  # noqa: E402
+from training.engines.construct import build_for_engine  # noqa: E402
+from training.runtime import distributed  # noqa: E402
+from training.settings import ds_config  # noqa: E402
+from training.settings.flags import Settings  # noqa: E402
 
 
 def measure(name: str, data: str, model_dir: str, dist) -> dict:
     backend = name if name in ("ddp", "fsdp") else "deepspeed"
-    cfg_file = REPO / "ds_configs" / ("zero0.json" if backend != "deepspeed" else f"{name}.json")
+    cfg_file = ds_config.CONFIG_DIR / ("zero0.json" if backend != "deepspeed" else f"{name}.json")
     argv = ["--backend", backend, "--data", data, "--out", "unused"]
-    s = Settings(**vars(parser().parse_args([*argv, "--micro-batch", "1", "--grad-accum", "2"])))
+    s = Settings.parse([*argv, "--micro-batch", "1", "--grad-accum", "2"])
     manifest = load_manifest(data)
     model_cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    ds_cfg = C.resolve(
-        C.load_json(cfg_file), world=dist.world, flags=vars(s), hidden_size=model_cfg["hidden_size"]
+    ds_cfg = ds_config.resolve(
+        ds_config.load_json(cfg_file),
+        world=dist.world,
+        flags=s.as_flags(),
+        hidden_size=model_cfg["hidden_size"],
     )
     torch.manual_seed(0)
-    stage = C.zero_stage(ds_cfg)
-    model = build_model(
-        model_dir,
-        vocab_size=manifest.vocab_size,
-        zero3_config=ds_cfg if backend == "deepspeed" and stage == 3 else None,
+    model = build_for_engine(
+        model_dir, vocab_size=manifest.vocab_size, backend=backend, ds_config=ds_cfg
     )
-    extra = {} if backend == "deepspeed" else {"precision": C.precision(ds_cfg)}
     engine = build_engine(
-        backend, model=model, ds_config=ds_cfg, settings=s, device=dist.device, **extra
+        backend,
+        model=model,
+        ds_config=ds_cfg,
+        optimizer=OptimizerConfig(s.lr, (s.beta1, s.beta2), s.eps, s.weight_decay),
+        device=dist.device,
+        precision=ds_config.precision(ds_cfg),
     )
     x = torch.randint(0, manifest.vocab_size, (1, 32))
     for step in range(2):
@@ -61,13 +65,13 @@ def measure(name: str, data: str, model_dir: str, dist) -> dict:
 
 def main() -> None:
     data, model_dir, out_path, *engines = sys.argv[1:]
-    dist = D.setup()
+    dist = distributed.setup()
     results = {}
     for name in engines:
-        results[name] = D.all_gather_object(measure(name, data, model_dir, dist))
+        results[name] = distributed.all_gather_object(measure(name, data, model_dir, dist))
     if dist.is_main:
         Path(out_path).write_text(json.dumps(results, indent=1))
-    D.teardown()
+    distributed.teardown()
 
 
 if __name__ == "__main__":

@@ -1,67 +1,69 @@
-"""The engines the one training loop drives. Each wraps a model and an optimizer and offers the
-same small interface:
-
-    module                      the unwrapped model (for export, generate, FLOPs)
-    forward_backward(x, y, boundary) -> loss   one micro-batch; grads reduced only on boundary.
-                                The loss returned sums the micro-batches this call completed
-                                (the pipeline engine completes the whole step on the boundary)
-    step() -> StepResult        optimizer step with clipping (after the last micro-batch)
-    set_lr(lr)                  the schedule's value for this step
-    eval_loss(x, y) -> loss     no-grad forward
-    save(root, tag, client)     write this engine's files for checkpoint `tag` (all ranks call)
-    load(root, tag)             restore them (all ranks call)
-    state_bytes() -> dict       bytes of params, grads, optimizer states this rank holds
-    train() / eval()
-    dp_rank, dp_world           optional: this rank's data-parallel replica and their number,
-                                when they differ from rank and world (pipelining)
-
-They differ only where the engines differ: DeepSpeed (training/engines/ds.py), DDP (ddp.py) and
-FSDP2 (fsdp.py), the last two sharing precision, accumulation and clipping (native.py); the
-DeepSpeed pipeline engine (pipeline.py) when the config asks for pipeline stages. DDP and FSDP2
-also read their own checkpoints back into whole fp32 weights for export (`load_full_state_dict`).
+"""The engines the one training loop drives (the interface: base.py): DeepSpeed (ds.py), its
+pipeline engine when the config asks for pipeline stages (pipeline.py), and native PyTorch DDP
+(ddp.py) and FSDP2 (fsdp.py), the last two sharing precision, accumulation and clipping
+(native.py). Each is built from the model, its own config and nothing else; DDP and FSDP2 also
+read their own checkpoints back into whole fp32 weights for export (`load_full_state_dict`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.ddp import DDPEngine
+from training.engines.ddp import load_full_state_dict as ddp_full_state_dict
+from training.engines.ds import DeepSpeedEngine
+from training.engines.fsdp import FSDPEngine
+from training.engines.fsdp import load_full_state_dict as fsdp_full_state_dict
+from training.engines.pipeline import PipelineEngine
 
-@dataclass
-class StepResult:
-    grad_norm: float | None
-    skipped: bool  # the update was not applied (fp16 overflow, non-finite gradients)
-    loss_scale: float | None = None  # fp16 only
-
-
-def build_engine(kind: str, **kwargs):
-    """kind: 'deepspeed', 'ddp' or 'fsdp'; a DeepSpeed config with pipeline.stages > 1 gets
-    the pipeline engine."""
-    if kind == "deepspeed" and kwargs["ds_config"].get("pipeline", {}).get("stages", 1) > 1:
-        from training.engines.pipeline import PipelineEngine
-
-        return PipelineEngine(**kwargs)
-    if kind == "deepspeed":
-        from training.engines.ds import DeepSpeedEngine
-
-        return DeepSpeedEngine(**kwargs)
-    if kind == "ddp":
-        from training.engines.ddp import DDPEngine
-
-        return DDPEngine(**kwargs)
-    if kind == "fsdp":
-        from training.engines.fsdp import FSDPEngine
-
-        return FSDPEngine(**kwargs)
-    raise ValueError(f"unknown backend {kind!r}; choose deepspeed, ddp or fsdp")
+__all__ = ["Engine", "OptimizerConfig", "StepResult", "build_engine", "load_full_state_dict"]
 
 
-def data_parallel(engine, dist) -> tuple[int, int]:
-    """(replica, replicas): what shards the data. Every rank is its own replica, except under
-    pipelining, where the stages of one replica read the same batches."""
-    return getattr(engine, "dp_rank", dist.rank), getattr(engine, "dp_world", dist.world)
+def build_engine(
+    backend: str,
+    *,
+    model,
+    ds_config: dict,
+    optimizer: OptimizerConfig,
+    device: torch.device,
+    precision: str,
+    attention: str = "sdpa",
+    ddp_bucket_mb: float | None = None,
+    fsdp_reshard_after_forward: bool = True,
+    fsdp_cpu_offload: bool = False,
+) -> Engine:
+    """backend: 'deepspeed' (the pipeline engine when ds_config has pipeline.stages > 1), 'ddp'
+    or 'fsdp'. DeepSpeed reads precision, batch and clipping from ds_config; the native engines
+    take precision as given and read accumulation and clipping from the same keys DeepSpeed
+    would. Each engine gets its own switches only."""
+    if backend == "deepspeed":
+        if ds_config.get("pipeline", {}).get("stages", 1) > 1:
+            return PipelineEngine(
+                model=model,
+                ds_config=ds_config,
+                optimizer=optimizer,
+                device=device,
+                attention=attention,
+            )
+        return DeepSpeedEngine(model=model, ds_config=ds_config, optimizer=optimizer, device=device)
+    native = {
+        "model": model,
+        "optimizer": optimizer,
+        "device": device,
+        "precision": precision,
+        "grad_accum": int(ds_config["gradient_accumulation_steps"]),
+        "grad_clip": float(ds_config.get("gradient_clipping") or 0.0),
+    }
+    if backend == "ddp":
+        return DDPEngine(**native, bucket_mb=ddp_bucket_mb)
+    if backend == "fsdp":
+        return FSDPEngine(
+            **native, reshard_after_forward=fsdp_reshard_after_forward, cpu_offload=fsdp_cpu_offload
+        )
+    raise ValueError(f"unknown backend {backend!r}; choose deepspeed, ddp or fsdp")
 
 
 def load_full_state_dict(backend: str, checkpoint_folder) -> dict[str, torch.Tensor]:
@@ -69,9 +71,7 @@ def load_full_state_dict(backend: str, checkpoint_folder) -> dict[str, torch.Ten
     under the model's own parameter names. Runs in one process, without a process group."""
     folder = Path(checkpoint_folder)
     if backend == "ddp":
-        from training.engines.ddp import load_full_state_dict as load
-    elif backend == "fsdp":
-        from training.engines.fsdp import load_full_state_dict as load
-    else:
-        raise ValueError(f"no full-state-dict reader for backend {backend!r} (use training.export)")
-    return load(folder)
+        return ddp_full_state_dict(folder)
+    if backend == "fsdp":
+        return fsdp_full_state_dict(folder)
+    raise ValueError(f"no full-state-dict reader for backend {backend!r} (use training.export)")

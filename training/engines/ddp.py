@@ -20,7 +20,11 @@ BUCKET_MB = 25.0  # --ddp-bucket-mb's default
 class DDPEngine(NativeEngine):
     name = "ddp"
 
-    def _wrap(self, model, settings):
+    def __init__(self, *, bucket_mb: float | None = None, **native):
+        self.bucket_mb = bucket_mb or BUCKET_MB
+        super().__init__(**native)
+
+    def _wrap(self, model):
         if not dist.is_initialized():
             raise RuntimeError("--backend ddp needs torch.distributed (run it under torchrun)")
         return DistributedDataParallel(
@@ -32,7 +36,7 @@ class DDPEngine(NativeEngine):
             # would save little more and fails an internal assert when the first step starts
             # under no_sync, which accumulation does.)
             find_unused_parameters=False,
-            bucket_cap_mb=settings.ddp_bucket_mb or BUCKET_MB,
+            bucket_cap_mb=self.bucket_mb,
             forward_sync_buffers=False,  # the model has no buffers that change in training
         )
 

@@ -7,34 +7,32 @@ import math
 
 import deepspeed
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.utils import safe_set_full_fp32_param
 
-from training.engines import StepResult
-from training.memory import state_bytes
-from training.nonfinite import poison
-from training.optim import adamw, param_groups
+from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.nonfinite import poison
+from training.engines.optim import adamw, param_groups
+from training.memory.state_bytes import state_bytes
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
-    def __init__(self, *, model, ds_config: dict, settings, device: torch.device):
-        groups = param_groups(model, settings.weight_decay)
-        optimizer = None
+    def __init__(self, *, model, ds_config: dict, optimizer: OptimizerConfig, device: torch.device):
+        super().__init__()
+        groups = param_groups(model, optimizer.weight_decay)
+        torch_optimizer = None
         if "optimizer" not in ds_config:
             # Our own AdamW (fused on this device); DeepSpeed wraps it for ZeRO.
-            optimizer = adamw(
-                groups,
-                lr=settings.lr,
-                betas=(settings.beta1, settings.beta2),
-                eps=settings.eps,
-                device_type=device.type,
-            )
+            torch_optimizer = adamw(groups, optimizer, device_type=device.type)
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
         # from the same parameter groups.
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
-            optimizer=optimizer,
-            model_parameters=groups if optimizer is None else None,
+            optimizer=torch_optimizer,
+            model_parameters=groups if torch_optimizer is None else None,
             config=ds_config,
         )
         self.device = device
@@ -112,10 +110,6 @@ class DeepSpeedEngine:
         """Overwrite the fp32 master copy of each (name, tensor) in `weights` (all ranks, same
         order); returns how many parameters were set. Under bf16 DeepSpeed builds the masters
         from the 16-bit weights, which would round a model imported from an fp32 folder."""
-        import torch.distributed as dist
-        import torch.nn.functional as F
-        from deepspeed.utils import safe_set_full_fp32_param
-
         params = dict(self.engine.module.named_parameters())
         n = 0
         for name, value in weights:
@@ -133,7 +127,7 @@ class DeepSpeedEngine:
 
     def load(self, root, tag: str) -> None:
         """Load root/tag: a native checkpoint, or a universal copy when the config says
-        checkpoint.load_universal (set by train.py before initialize)."""
+        checkpoint.load_universal (the resume plan sets it before initialize)."""
         path, _ = self.engine.load_checkpoint(str(root), tag=tag, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {root}/{tag}")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -31,7 +32,12 @@ DCP_DIR = "dcp"  # the sharded checkpoint inside a step folder
 class FSDPEngine(NativeEngine):
     name = "fsdp"
 
-    def _wrap(self, model, settings):
+    def __init__(self, *, reshard_after_forward: bool = True, cpu_offload: bool = False, **native):
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        super().__init__(**native)
+
+    def _wrap(self, model):
         if not dist.is_initialized():
             raise RuntimeError("--backend fsdp needs torch.distributed (run it under torchrun)")
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
@@ -40,14 +46,14 @@ class FSDPEngine(NativeEngine):
             "mesh": mesh,
             "mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32),
         }
-        if settings.fsdp_cpu_offload:
+        if self.cpu_offload:
             # Shards, gradients and the optimizer step live in host memory. Pinned memory needs
             # an accelerator, so a CPU-only run does without it.
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type != "cpu")
         for block in _blocks(model):
             # Free a block's gathered weights after its forward (gather again for backward), or
             # keep them until backward: memory against one all-gather per block.
-            fully_shard(block, reshard_after_forward=settings.fsdp_reshard_after_forward, **kwargs)
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kwargs)
         # The root's weights (embeddings, head) are needed first thing in backward anyway.
         fully_shard(model, reshard_after_forward=False, **kwargs)
         return model
@@ -90,8 +96,6 @@ def _blocks(model) -> list[torch.nn.Module]:
 
 def load_full_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """Whole fp32 model tensors from the DCP checkpoint in `folder`, in this process alone."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     path = Path(folder) / DCP_DIR
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     model = {

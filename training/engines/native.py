@@ -10,41 +10,46 @@ import math
 import torch
 import torch.distributed as dist
 
-from training.engines import StepResult
-from training.memory import state_bytes
-from training.nonfinite import poison
-from training.optim import adamw, param_groups
+from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.nonfinite import poison
+from training.engines.optim import adamw, param_groups
+from training.memory.state_bytes import state_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class NativeEngine:
+class NativeEngine(Engine):
     """Subclasses wrap the model in `_wrap` and implement `save` and `load`."""
 
     name = "native"
 
-    def __init__(self, *, model, ds_config: dict, settings, device: torch.device, precision: str):
+    def __init__(
+        self,
+        *,
+        model,
+        optimizer: OptimizerConfig,
+        device: torch.device,
+        precision: str,
+        grad_accum: int,
+        grad_clip: float,
+    ):
+        super().__init__()
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
         self.device = device
         self.precision = precision
         self.dtype = DTYPES[precision]
-        # The same keys DeepSpeed reads: accumulation divides the loss, clipping bounds the norm.
-        self.grad_accum = int(ds_config["gradient_accumulation_steps"])
-        self.grad_clip = float(ds_config.get("gradient_clipping") or 0.0)
-        self.model = self._wrap(model.to(device), settings)
+        self.grad_accum = grad_accum  # divides the loss, as DeepSpeed's engine.backward does
+        self.grad_clip = grad_clip  # 0: no clipping
+        self.model = self._wrap(model.to(device))
         self.optimizer = adamw(
-            param_groups(self.module, settings.weight_decay),
-            lr=settings.lr,
-            betas=(settings.beta1, settings.beta2),
-            eps=settings.eps,
-            device_type=device.type,
+            param_groups(self.module, optimizer.weight_decay), optimizer, device_type=device.type
         )
         # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range and do not.
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
     # --- what subclasses provide ---------------------------------------------------------
-    def _wrap(self, model, settings):
+    def _wrap(self, model):
         raise NotImplementedError
 
     def _no_sync(self):
@@ -55,7 +60,7 @@ class NativeEngine:
         """Mixed precision of the forward pass (FSDP2 casts parameters itself instead)."""
         return contextlib.nullcontext()
 
-    # --- the engine interface (see training/engines/__init__.py) --------------------------
+    # --- the engine interface (see base.py) --------------------------
     @property
     def module(self):
         return self.model

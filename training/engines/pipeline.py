@@ -1,10 +1,11 @@
-"""DeepSpeed's pipeline engine: our model cut into stages (`models/pipeline.py`), ZeRO-0/1 across
-the data-parallel replicas that remain (world = stages x dp).
+"""DeepSpeed's pipeline engine: our model's pipeline layers (`models/pipeline.py`) stacked into a
+`PipelineModule` and cut into stages, ZeRO-0/1 across the data-parallel replicas that remain
+(world = stages x dp).
 
 `PipelineEngine.train_batch` runs a whole step at once (every micro-batch through every stage,
 then the optimizer step), so this engine buffers the loop's micro-batches and runs the step on
 the boundary. Everything else (lr, save, load) is the plain DeepSpeed engine's, except that a
-universal copy names parameters as the unpipelined model does (training/universal.py), so its
+universal copy names parameters as the unpipelined model does (training/checkpoints/universal.py), so its
 parameters are looked up under those names while it loads.
 """
 
@@ -14,10 +15,21 @@ import math
 import warnings
 
 import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from models import build_pipeline_module, model_state_dict_to_pipeline, set_attention_kernel
-from models.pipeline import BlockPipe, pipeline_state_dict_to_model
-from training.engines import StepResult
+from models import model_state_dict_to_pipeline, set_attention_kernel
+from models.config import ZeroStackConfig
+from models.pipeline import (
+    TIED_KEY,
+    BlockPipe,
+    EmbeddingPipe,
+    HeadPipe,
+    NormPipe,
+    pipeline_loss,
+    pipeline_state_dict_to_model,
+    tied_head,
+)
+from training.engines.base import OptimizerConfig, StepResult
 from training.engines.ds import DeepSpeedEngine
 
 # Without send/recv (gloo), DeepSpeed passes activations between stages by broadcasting the
@@ -34,10 +46,54 @@ PARTITIONS = {
 }
 
 
+def build_pipeline_module(
+    config: ZeroStackConfig,
+    *,
+    num_stages: int,
+    partition_method: str = "parameters",
+    activation_checkpoint_interval: int = 0,
+    loss_fn=None,
+) -> PipelineModule:
+    """Our model's pipeline layers (models/pipeline.py) as a `PipelineModule` over num_stages
+    stages (call deepspeed.init_distributed() first).
+
+    loss_fn(logits, labels) defaults to `pipeline_loss`. With activation_checkpoint_interval > 0,
+    only the blocks are recomputed: the embedding's input (token ids) carries no gradient."""
+    tied = config.tie_word_embeddings
+    specs = [
+        TiedLayerSpec(TIED_KEY, EmbeddingPipe, config) if tied else LayerSpec(EmbeddingPipe, config)
+    ]
+    specs += [LayerSpec(BlockPipe, config, i) for i in range(config.num_hidden_layers)]
+    specs.append(LayerSpec(NormPipe, config))
+    if tied:
+        specs.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, forward_fn=tied_head))
+    else:
+        specs.append(LayerSpec(HeadPipe, config))
+    module = PipelineModule(
+        layers=specs,
+        num_stages=num_stages,
+        loss_fn=loss_fn or pipeline_loss,
+        partition_method=partition_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        checkpointable_layers=[BlockPipe.__name__],
+    )
+    # Lets the module's own forward checkpoint outside a pipeline engine too.
+    module.set_checkpoint_interval(activation_checkpoint_interval)
+    return module
+
+
 class PipelineEngine(DeepSpeedEngine):
     name = "pipeline"
 
-    def __init__(self, *, model, ds_config: dict, settings, device: torch.device):
+    def __init__(
+        self,
+        *,
+        model,
+        ds_config: dict,
+        optimizer: OptimizerConfig,
+        device: torch.device,
+        attention: str,
+    ):
         """model: the whole ZeroStackForCausalLM, built from the seed (or a folder) on every rank.
         Each rank keeps only its stage's layers, with exactly the whole model's initial weights."""
         pipe_cfg = ds_config.get("pipeline", {})
@@ -47,11 +103,11 @@ class PipelineEngine(DeepSpeedEngine):
             partition_method=PARTITIONS[pipe_cfg.get("partition", "parameters")],
             activation_checkpoint_interval=int(pipe_cfg.get("activation_checkpoint_interval", 0)),
         )
-        set_attention_kernel(pipe, settings.attention)
+        set_attention_kernel(pipe, attention)
         full = model_state_dict_to_pipeline(model.state_dict(), model.config)
         pipe.load_state_dict({name: full[name] for name in pipe.state_dict()})
         self.config = model.config
-        super().__init__(model=pipe, ds_config=ds_config, settings=settings, device=device)
+        super().__init__(model=pipe, ds_config=ds_config, optimizer=optimizer, device=device)
         grid = self.engine.grid
         self.stage = grid.get_stage_id()
         self.stages = grid.get_pipe_parallel_world_size()

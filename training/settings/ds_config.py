@@ -14,10 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from training.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A bad config or flag, found before any work starts."""
-
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"  # the shipped configs
 
 # Top-level keys DeepSpeed understands (0.19). A typo here would be silently ignored by
 # DeepSpeed, so anything else is refused. Keys starting with "_" are comments and are dropped.
@@ -182,7 +181,7 @@ def resolve(
         "bf16.enabled": True,
         "fp16.enabled": False,
         # ZeRO-Infinity: the swap folder (--nvme-path, default RUN/nvme_swap) and a parameter
-        # swap buffer that holds the largest parameter (training/nvme.py)
+        # swap buffer that holds the largest parameter (nvme.py)
         "zero_optimization.offload_optimizer.nvme_path": flags.get("nvme_path") or "nvme_swap",
         "zero_optimization.offload_param.nvme_path": flags.get("nvme_path") or "nvme_swap",
         "zero_optimization.offload_param.buffer_size": flags.get("nvme_buffer_size") or 10**8,
@@ -205,11 +204,9 @@ def reduce_bucket_size(cfg: dict, hidden_size: int, device_type: str = "cuda") -
     matrix, if larger); on CPU, ZeRO-1/2 keep it under CPU_BUCKET_BYTES.
 
     ZeRO-1/2 allocate their reduce bucket anew for every backward. A GPU's caching allocator
-    hands the same block back; on CPU a 100 MB bf16 bucket was a fresh mmap every micro-batch,
-    and writing the gradients into it page-faulted ~24 ms per micro-batch on the `small` preset
-    (2 x 2 micro-batches per step). A bucket under the threshold comes from the heap, warm:
-    ZeRO-2 / DDP went from 0.94 to 1.00 (3 back-to-back rounds each). Two buckets per backward
-    instead of one cost nothing measurable."""
+    hands the same block back; on CPU a bucket above the threshold is a fresh mmap every
+    micro-batch, page-faulted in as the gradients are written. Under it, the heap hands it back
+    warm (measured in docs/benchmarks.md, "the reduce bucket")."""
     n = max(hidden_size * hidden_size, 50_000_000)
     if device_type == "cpu" and zero_stage(cfg) in (1, 2):
         accum = str(cfg.get("data_types", {}).get("grad_accum_dtype", "")).lower()

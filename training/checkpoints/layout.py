@@ -5,14 +5,14 @@
         latest                   the tag of the newest *complete* checkpoint
 
 An engine writes its files into the tag folder; then rank 0 writes the trainer state and a
-`complete.json` listing every file with its size and sha256 (training/integrity.py: the ranks
-share the hashing), and only then moves `latest` to the new tag (an atomic rename). A kill at
+`complete.json` listing every file with its size and sha256 (integrity.py: the ranks share
+the hashing), and only then moves `latest` to the new tag (an atomic rename). A kill at
 any moment before that leaves `latest` on the previous checkpoint, and an incomplete folder is
 never loaded. `verify` re-reads the files against the listing, so a truncated or corrupted file
 is found before anything loads it. A save that cannot be written (disk full) raises SaveFailed
 and leaves `latest` alone.
 
-A universal copy of a checkpoint (training/universal.py) lives beside it as `step_N_universal`
+A universal copy of a checkpoint (universal.py) lives beside it as `step_N_universal`
 and goes when its checkpoint goes.
 """
 
@@ -20,26 +20,23 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
-import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from training import distributed as D
-from training import integrity
-from training.exits import SaveFailed
+from training.checkpoints import integrity
+from training.checkpoints.integrity import COMPLETE
+from training.errors import CheckpointError, SaveFailed
+from training.runtime import distributed
 
 LATEST = "latest"
-COMPLETE = "complete.json"
 STATE = "trainer_state.pt"
 UNIVERSAL_SUFFIX = "_universal"
 _TAG = re.compile(r"step_\d+")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or corrupt."""
 
 
 def tag_for(step: int) -> str:
@@ -47,10 +44,6 @@ def tag_for(step: int) -> str:
 
 
 def rng_state() -> dict:
-    import random
-
-    import numpy as np
-
     return {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
@@ -59,10 +52,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy as np
-
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
@@ -87,7 +76,7 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_
             )
             + f"; free space (the partial {root / tag_for(step)} can go) and re-run to resume"
         ) from e
-    D.barrier()
+    distributed.barrier()
     return root / tag_for(step)
 
 
@@ -99,34 +88,20 @@ def _save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is
         if folder.exists():  # a partial save of this step from an earlier, killed run
             shutil.rmtree(folder)
         shutil.rmtree(root / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)  # stale copy of it
-    D.barrier()
+    distributed.barrier()
     engine.save(root, tag, {"zerostack": {k: v for k, v in trainer_state.items()}})
-    rngs = _gather_object(rng_state())
-    D.barrier()
+    rngs = distributed.all_gather_object(rng_state())
+    distributed.barrier()
     if is_main:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({**trainer_state, "rng": rngs}, folder / STATE)
         (folder / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=str))
-        hold = os.environ.get("ZEROSTACK_TEST_HOLD_SAVE")  # "STEP:SECONDS"
-        if hold and int(hold.split(":")[0]) == step:  # test hook: lets a test kill a save
-            print(f"[test hook] holding save of {tag} open", flush=True)
-            time.sleep(float(hold.split(":")[1]))
-    D.barrier()  # the trainer state is on disk for every rank to see
+    distributed.barrier()  # the trainer state is on disk for every rank to see
     listing = integrity.listing(folder)
     if is_main:
         _write_atomic(folder / COMPLETE, json.dumps(listing, indent=1))
         _write_atomic(root / LATEST, tag)
         _prune(root, keep_last)
-
-
-def _gather_object(obj) -> list:
-    import torch.distributed as dist
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def write_listing(folder: Path, extra: dict | None = None) -> None:
@@ -147,26 +122,13 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def is_complete(folder: Path) -> bool:
     """True when the folder's complete.json exists and every listed file has its size."""
-    try:
-        listing = json.loads((folder / COMPLETE).read_text())["files"]
-    except (OSError, ValueError, KeyError):
-        return False
-    for name, size in listing.items():
-        p = folder / name
-        if not p.is_file() or p.stat().st_size != size:
-            return False
-    return True
+    return integrity.verify(folder, hashes=False, collective=False) is None
 
 
-def verify_sizes(folder: Path) -> None:
-    """verify() without reading the files: only that each is there with its size."""
-    verify(folder, crc=False)
-
-
-def verify(folder: Path, crc: bool = True) -> None:
+def verify(folder: Path, hashes: bool = True) -> None:
     """Raise CheckpointError unless every file complete.json lists is there with its size and
-    checksum (crc=False: size only). One process; training/integrity.py shares it out."""
-    problem = integrity.verify(folder, hashes=crc, collective=False)
+    sha256 (hashes=False: size only). One process; integrity.verify shares it out."""
+    problem = integrity.verify(folder, hashes=hashes, collective=False)
     if problem:
         raise CheckpointError(problem)
 
@@ -237,12 +199,12 @@ def locate(path: str | Path) -> tuple[Path, str]:
         p = root / tag
     if _TAG.fullmatch(p.name) and p.is_dir():
         if not is_complete(p):
-            verify_sizes(p)  # raises, naming the missing or short file
+            verify(p, hashes=False)  # raises, naming the missing or short file
         return p.parent, p.name
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     latest = root / LATEST
     if latest.is_file() and (root / latest.read_text().strip() / COMPLETE).is_file():
-        verify_sizes(root / latest.read_text().strip())  # sealed, then damaged: say so
+        verify(root / latest.read_text().strip(), hashes=False)  # sealed, then damaged: say so
     tag = find_latest(root) if root.is_dir() else None
     if tag is None:
         tags = all_tags(root)

@@ -4,6 +4,7 @@ step, so resuming needs nothing but the step number."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def lr_at(step: int, *, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
@@ -17,6 +18,16 @@ def lr_at(step: int, *, lr: float, warmup: int, total: int, min_lr_ratio: float 
     return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer, value: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = value
+@dataclass(frozen=True)
+class Schedule:
+    """--lr, --warmup, --steps and --min-lr-ratio, as one value the loop asks per step."""
+
+    lr: float
+    warmup: int
+    total: int
+    min_lr_ratio: float = 0.1
+
+    def at(self, step: int) -> float:
+        return lr_at(
+            step, lr=self.lr, warmup=self.warmup, total=self.total, min_lr_ratio=self.min_lr_ratio
+        )

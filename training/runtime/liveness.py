@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from training import exits
+from training.errors import BAD_INPUT, DIVERGED, LOST_RANK, SAVE_FAILED
 
 
 class Liveness:
@@ -49,7 +49,7 @@ class Liveness:
         # The watchdog over waits that cannot time out by themselves (see `waiting`).
         self.waiting_since: float | None = None
         self.timeout_s = 600.0  # the collective timeout; distributed.setup sets --dist-timeout
-        self.on_lost = None  # (gone, code) -> never returns; exits.run_guarded sets it
+        self.on_lost = None  # (gone, code) -> never returns; guard.run_guarded sets it
         self._watchdog: threading.Thread | None = None
 
     def watch(self, grace_s: float = 5.0) -> None:
@@ -128,14 +128,14 @@ class Liveness:
                 time.sleep(0.25)
                 pending = {r for r in pending if store.add(self._key("beat", r), 0) == first[r]}
                 pending -= {r for r in pending if store.check([self._key("words", r)])}
-            gone, code = {}, exits.LOST_RANK
+            gone, code = {}, LOST_RANK
             for r in others:
                 if store.check([self._key("words", r)]):
                     c, _, text = store.get(self._key("words", r)).decode().partition("|")
                     if text.startswith("lost "):  # a survivor like us, not the cause
                         continue
                     gone[r] = f"stopped: {text}"
-                    if int(c) in (exits.BAD_INPUT, exits.DIVERGED, exits.SAVE_FAILED):
+                    if int(c) in (BAD_INPUT, DIVERGED, SAVE_FAILED):
                         code = int(c)  # every rank then ends the same way
                 elif r in pending:
                     gone[r] = "is not responding (killed, crashed, or its host is unreachable)"
@@ -149,8 +149,8 @@ class Liveness:
         except Exception:
             where = f"the rendezvous store at {self.host}:{self.port} is unreachable"
             if self.agent_store:
-                return {-1: f"{where}: the launcher's host is gone"}, exits.LOST_RANK
-            return {0: f"is gone ({where}, and rank 0 hosted it)"}, exits.LOST_RANK
+                return {-1: f"{where}: the launcher's host is gone"}, LOST_RANK
+            return {0: f"is gone ({where}, and rank 0 hosted it)"}, LOST_RANK
 
 
 def describe(gone: dict[int, str]) -> str:

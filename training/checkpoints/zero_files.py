@@ -5,8 +5,8 @@ each parameter group's flat fp32 weights and Adam moments plus a map of where ev
 sits in it; ZeRO-3 keeps each parameter cut evenly across the ranks. `ZeroFiles` puts any
 parameter back together from either. The files are memory-mapped, and the pages under each
 piece go back to the kernel once it is copied out, so memory stays near one parameter whatever
-the model's size. The universal converter (training/universal.py) and export
-(training/weights.py) read checkpoints through it.
+the model's size. The universal converter (universal.py) and export (weights.py)
+read checkpoints through it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoint import CheckpointError
+from training.errors import CheckpointError
 
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 _OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")

@@ -2,7 +2,7 @@
 
 Every launcher we support (the deepspeed launcher, locally or over ssh with --hostfile; torchrun;
 accelerate launch; SLURM through either) sets RANK, WORLD_SIZE and LOCAL_RANK, and
-training/distributed.py builds the process group from them. This module records the result per
+training/runtime/distributed.py builds the process group from them. This module records the result per
 rank (host, address, first batch) so a run folder shows where and on what each rank trained, and
 handles accelerate launch's extras: its DeepSpeed config file, and its own process state, which on
 a CPU silently believes in a world of one unless it is told the backend.
@@ -16,11 +16,9 @@ import socket
 
 import torch.distributed as dist
 
+from training.errors import ConfigError, LaunchError
+
 ACCELERATE_DS_CONFIG = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
-
-
-class LaunchError(RuntimeError):
-    """The launcher's view and ours disagree."""
 
 
 def launched_by_accelerate() -> bool:
@@ -30,8 +28,6 @@ def launched_by_accelerate() -> bool:
 def accelerate_ds_config(flag_value: str | None) -> str | None:
     """The DeepSpeed config to use under `accelerate launch`: accelerate's `deepspeed_config_file`
     when --ds_config was not given. Both given and different is an error (one line)."""
-    from training.config import ConfigError
-
     theirs = os.environ.get(ACCELERATE_DS_CONFIG) if launched_by_accelerate() else None
     if not theirs:
         return flag_value
@@ -53,7 +49,7 @@ def align_accelerate_state(backend: str) -> dict | None:
     accelerate reports, or None when not launched by accelerate."""
     if not launched_by_accelerate():
         return None
-    from accelerate.state import PartialState
+    from accelerate.state import PartialState  # accelerate is optional: only under its launcher
 
     state = PartialState(backend=backend)
     seen = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from training.config import ConfigError
+from training.errors import ConfigError
 
 SECTIONS = ("offload_optimizer", "offload_param")
 
@@ -53,7 +53,7 @@ def auto_values(nvme_path: str | None, run_dir: Path, model_cfg) -> dict:
 
 def check_aio(source: str) -> None:
     """Refuse, in one line, an nvme config on a machine where async_io cannot be built."""
-    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from deepspeed.ops.op_builder import AsyncIOBuilder  # heavy: only for nvme configs
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
         raise ConfigError(

@@ -1,7 +1,7 @@
 """Preemption: SIGTERM and SIGUSR1 (what SLURM and most schedulers send before they kill a job)
 and Ctrl-C ask the run to stop. The handler only records the request; the loop makes every rank
 agree on it at the next step boundary, saves a checkpoint there and exits with
-`exits.PREEMPTED`. A second Ctrl-C exits at once, without saving."""
+`errors.PREEMPTED`. A second Ctrl-C exits at once, without saving."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 
-from training import exits
+from training.errors import INTERRUPTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -36,7 +36,7 @@ class StopRequest:
             self._interrupts += 1
             if self._interrupts > 1:
                 _say(f"[rank {self.rank}] second Ctrl-C: stopping now, without saving\n")
-                os._exit(exits.INTERRUPTED)
+                os._exit(INTERRUPTED)
         if self.signum:
             return  # already stopping (launchers often forward what the terminal also sent)
         self.signum = signum

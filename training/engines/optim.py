@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from training.engines.base import OptimizerConfig
+
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: 2-D+ tensors (matmul weights, embeddings) decay; norms, biases and other
@@ -22,9 +24,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def adamw(
-    groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float, device_type: str
+    groups: list[dict], config: OptimizerConfig, *, device_type: str
 ) -> torch.optim.Optimizer:
-    """torch AdamW, fused where the device supports it (on CPU that is ~9x the default
-    for-each implementation)."""
+    """torch AdamW over `groups` (their weight decay is their own), fused where the device
+    supports it (on CPU several times the default for-each implementation)."""
     fused = device_type in ("cpu", "cuda", "xpu", "mps")
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=fused)

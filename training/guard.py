@@ -1,54 +1,34 @@
-"""How a training run ends: one exit code per kind of ending, so a restart loop (or a person)
-can tell "resume me" from "fix something first".
-
-    0   finished (or --stop-at reached)
-    1   unexpected error (a Python traceback says where)
-    2   bad input: config, flags, data, checkpoint or environment; nothing was changed
-    3   diverged: --max-bad-steps consecutive steps had a non-finite loss or gradient norm
-    4   lost a rank: another rank died or stopped answering; re-run to resume
-    5   could not write a checkpoint (disk full, quota, permissions); the previous one is intact
-    75  preempted: SIGTERM, SIGUSR1 or Ctrl-C; a checkpoint was saved, re-run to resume
-    130 a second Ctrl-C: stopped at once, without saving
-
-Restart loops (launch/local.sh) retry 1, 4 and 75 and stop on 0, 2, 3 and 5, which would only
-fail the same way again.
-"""
+"""How a run ends: `run_guarded` runs the training function with the stop signals caught and a
+heartbeat beating, and turns how it ended into one of the exit codes of training/errors.py with
+one line of explanation."""
 
 from __future__ import annotations
 
-OK = 0
-CRASHED = 1
-BAD_INPUT = 2
-DIVERGED = 3
-LOST_RANK = 4
-SAVE_FAILED = 5
-PREEMPTED = 75  # EX_TEMPFAIL: try again later
-INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+import os
+import sys
+from pathlib import Path
 
-
-class Preempted(Exception):
-    """Every rank agreed to stop on a signal and the checkpoint of this step is saved."""
-
-
-class Diverged(Exception):
-    """Too many consecutive steps with a non-finite loss or gradient norm."""
-
-
-class SaveFailed(Exception):
-    """A checkpoint could not be written; `latest` still names the previous complete one."""
+from training.checkpoints.layout import find_latest
+from training.errors import (
+    BAD_INPUT,
+    CRASHED,
+    DIVERGED,
+    LOST_RANK,
+    OK,
+    PREEMPTED,
+    SAVE_FAILED,
+    CheckpointError,
+    Diverged,
+    LaunchError,
+    SaveFailed,
+)
+from training.runtime import distributed, liveness, signals
 
 
 def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
     """Run `train()` (sets up the process group, trains, tears down) with the stop signals
     caught and a heartbeat running, and turn how it ended into an exit code with one line of
     explanation. A crash of this rank's own still raises (a traceback, exit 1)."""
-    import os
-    import sys
-    from pathlib import Path
-
-    from training import checkpoint, liveness, signals
-    from training.cluster import LaunchError
-
     stop = signals.install(rank)
     live = liveness.start(rank, world)
 
@@ -57,15 +37,9 @@ def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
             prefix = "" if rank == 0 else f"[rank {rank}] "
             print(prefix + line, file=sys.stderr, flush=True)
 
-    def exit_now(code: int):
-        # The process group may have a dead peer: its teardown could hang, so skip it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
     def lost(gone: dict, code: int):
         """Another rank is gone: say which (the lowest survivor does), and exit at once."""
-        latest = checkpoint.find_latest(Path(run_dir) / "checkpoints")
+        latest = find_latest(Path(run_dir) / "checkpoints")
         alive = sorted(set(range(world)) - set(gone))
         resume = latest or "the start (no complete checkpoint yet)"
         say(
@@ -74,16 +48,16 @@ def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
             everyone=bool(alive) and rank == alive[0],
         )
         live.last_words(code, f"lost {liveness.describe(gone)}")
-        exit_now(code)
+        _exit_now(code)
 
     if live:
         live.on_lost = lost  # the watchdog's way out of a collective that cannot fail
     try:
         train()
-    except (Diverged, checkpoint.CheckpointError) as e:  # every rank raised it alike
+    except (Diverged, CheckpointError) as e:  # every rank raised it alike
         signals.ignore_from_now()
         say(f"error: {e}")
-        _teardown()
+        distributed.teardown()
         return DIVERGED if isinstance(e, Diverged) else BAD_INPUT
     except LaunchError as e:  # this rank's launcher environment is wrong: it speaks for itself
         signals.ignore_from_now()
@@ -97,7 +71,7 @@ def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
             say(f"error: {e}")
             if live:
                 live.last_words(SAVE_FAILED, str(e))
-            exit_now(SAVE_FAILED)
+            _exit_now(SAVE_FAILED)
         if live:
             live.last_words(CRASHED, f"{type(e).__name__}: {e}".splitlines()[0][:300])
         raise
@@ -110,7 +84,8 @@ def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
     return OK
 
 
-def _teardown() -> None:
-    from training import distributed
-
-    distributed.teardown()
+def _exit_now(code: int):
+    # The process group may have a dead peer: its teardown could hang, so skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,99 +1,15 @@
-"""What every run shows: MFU against a measured peak, memory, and the rank-0 logger that writes
-the console, metrics.jsonl, TensorBoard and (when asked) W&B."""
+"""What every run shows: the rank-0 logger that writes the console (with a progress bar),
+metrics.jsonl, TensorBoard and (when asked) W&B, and the loss curve drawn at the end."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
-import resource
+import sys
 import time
 from pathlib import Path
 
-import torch
 
-
-# ---------------------------------------------------------------------------- peak FLOP/s
-def cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _device_key(device: torch.device, dtype: torch.dtype, threads: int) -> str:
-    if device.type == "cpu":
-        return f"cpu|{cpu_name()}|{dtype}|threads={threads}|torch={torch.__version__}"
-    from training.distributed import accelerator
-
-    return f"{device.type}|{accelerator().get_device_name(device.index)}|{dtype}"
-
-
-def measure_peak_flops(
-    device: torch.device, dtype: torch.dtype = torch.bfloat16, seconds: float = 2.0
-) -> float:
-    """Best matmul FLOP/s this process reaches on `device` (its current thread count on CPU).
-
-    The best over square sizes 256 to 4096: which size is fastest depends on caches and
-    threads (on a 2-core EPYC, 512-768 on one thread at ~445 GFLOP/s but only ~250 at 2048), and
-    a ceiling taken at one size would flatter every MFU. Sizes stop growing once one product
-    takes 50 ms, so a dtype without fast kernels (fp16 on most CPUs) is measured in seconds."""
-    sync = (lambda: None) if device.type == "cpu" else torch.accelerator.synchronize
-    sizes = [256, 512, 768, 1024, 1536, 2048, 3072, 4096]
-    best = 0.0
-    for size in sizes:
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        a @ b  # warm-up: kernel selection, page faults
-        sync()
-        end = time.perf_counter() + seconds / len(sizes)
-        while True:
-            t = time.perf_counter()
-            a @ b
-            sync()
-            took = time.perf_counter() - t
-            best = max(best, 2 * size**3 / took)
-            if time.perf_counter() >= end:
-                break
-        if took > 0.05:
-            break
-    return best
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: Path | None = None) -> float:
-    """Per-process peak FLOP/s, measured once per machine/dtype/thread count and cached."""
-    threads = torch.get_num_threads()
-    key = _device_key(device, dtype, threads) + "|probe=2"  # 2: best over sizes
-    cache = (cache_dir or Path.home() / ".cache" / "zerostack") / "peak_flops.json"
-    table = {}
-    if cache.is_file():
-        try:
-            table = json.loads(cache.read_text())
-        except json.JSONDecodeError:
-            table = {}
-    if key not in table:
-        table[key] = measure_peak_flops(device, dtype)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(cache)
-    return float(table[key])
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank: max allocated on an accelerator, peak RSS on CPU."""
-    if device.type == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    from training.distributed import accelerator
-
-    return int(accelerator().max_memory_allocated(device.index))
-
-
-# ---------------------------------------------------------------------------- the logger
 class RunLogger:
     """Rank-0 sink for metrics. Other ranks get a logger that does nothing."""
 
@@ -117,20 +33,20 @@ class RunLogger:
         # left in the folder would otherwise mix into every reader's numbers).
         mode = "a" if start_step > 0 else "w"
         self._jsonl = open(run_dir / "metrics.jsonl", mode, buffering=1)
-        try:
+        try:  # optional at run time
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         except ImportError:  # tensorboard is optional at run time
             self._tb = None
         if wandb:
-            import wandb as wb
+            import wandb as wb  # optional: only with --wandb
 
             os.environ.setdefault("WANDB_DIR", str(run_dir))
             self._wandb = wb.init(
                 project="zerostack", name=run_name, config=config, dir=str(run_dir)
             )
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # rank 0 only
 
         self._bar = tqdm(
             total=total_steps,
@@ -188,8 +104,6 @@ class RunLogger:
 
 
 def _tty() -> bool:
-    import sys
-
     return sys.stderr.isatty()
 
 
@@ -232,7 +146,7 @@ def plot_loss_curve(metrics_path: Path, out_png: Path) -> None:
             val.append((r["step"], r["val_loss"]))
     if not train:
         return
-    import matplotlib
+    import matplotlib  # heavy, and only once at the end
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

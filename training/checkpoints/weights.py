@@ -1,7 +1,7 @@
 """The weights of a checkpoint or of a Hugging Face folder, one tensor at a time.
 
 `iter_weights` reads any zerostack checkpoint (DeepSpeed ZeRO 0-3 and pipeline through
-training/zero_files.py, DDP and FSDP2 through their engines) as fp32 tensors under our model's
+zero_files.py, DDP and FSDP2 through their engines) as fp32 tensors under our model's
 parameter names; `load_model` fills a model with them; `folder_weights` is the import direction,
 an HF folder's weights under the names `models.build_model(folder)` gives them.
 """
@@ -12,12 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from training.checkpoint import CheckpointError
-
-
-class WeightsError(CheckpointError):
-    """A checkpoint whose weights do not fit its model."""
+from models import ZeroStackForCausalLM, from_llama_state_dict, pipeline_state_dict_to_model
+from training.checkpoints.zero_files import ZeroFiles, load_mapped
+from training.engines import load_full_state_dict
+from training.engines.optim import param_groups
+from training.errors import WeightsError
 
 
 def iter_weights(
@@ -28,13 +30,9 @@ def iter_weights(
     folder = root / tag
     backend = state.get("backend", "deepspeed")
     if backend != "deepspeed":
-        from training.engines import load_full_state_dict
-
         yield from ((k, v.float()) for k, v in load_full_state_dict(backend, folder).items())
         return
     if any(folder.glob("*_optim_states.pt")):  # ZeRO 1-3 (and pipeline): fp32 master weights
-        from training.zero_files import ZeroFiles
-
         rename = _pipeline_renamer(state, config)
         for name, states, _ in ZeroFiles(folder).params(("fp32",)):
             yield from rename(name, states["fp32"])
@@ -48,9 +46,6 @@ def iter_weights(
 def _pipeline_layer_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
     """A pipeline checkpoint's `layer_XX-model_states.pt` files (the tied head is saved once,
     as the embedding's layer), under the model's names."""
-    from models import pipeline_state_dict_to_model
-    from training.zero_files import load_mapped
-
     for f in sorted(folder.glob("layer_*-model_states.pt")):
         idx = int(f.name[len("layer_") :].split("-")[0])
         layer = {f"{idx}.{k}": v.float() for k, v in load_mapped(f).items()}
@@ -60,7 +55,6 @@ def _pipeline_layer_weights(folder: Path, config) -> Iterator[tuple[str, torch.T
 def _pipeline_renamer(state: dict, config):
     """Pipeline checkpoints name weights `<layer>.<name>` and `tied_modules.embed.weight`;
     everything else already uses the model's names."""
-    from models import pipeline_state_dict_to_model
 
     def rename(name, t):
         if name.startswith("tied_modules.") or name.split(".", 1)[0].isdigit():
@@ -73,8 +67,6 @@ def _pipeline_renamer(state: dict, config):
 def _zero0_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
     """ZeRO-0 keeps the fp32 masters in the model-states file, grouped as our optimizer groups
     them; the module's own (16-bit) weights are the fallback."""
-    from training.zero_files import load_mapped
-
     states = load_mapped(folder / "mp_rank_00_model_states.pt")
     masters = (states.get("optimizer") or {}).get("fp32_groups")
     if masters is not None and config is not None:
@@ -93,18 +85,12 @@ def _zero0_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _group_names(config) -> list[list[tuple[str, tuple]]]:
     """Parameter names in the order the trainer's optimizer groups hold them."""
-    from training.optim import param_groups
-
     model = _meta_model(config)
     names = {id(p): (n, tuple(p.shape)) for n, p in model.named_parameters()}
     return [[names[id(p)] for p in g["params"]] for g in param_groups(model, 0.0)]
 
 
 def _meta_model(config):
-    from transformers import AutoModelForCausalLM
-
-    from models import ZeroStackForCausalLM
-
     with torch.device("meta"):
         if isinstance(config, ZeroStackForCausalLM.config_class):
             return ZeroStackForCausalLM(config)
@@ -140,11 +126,6 @@ def load_model(root: Path, tag: str, state: dict, dtype: torch.dtype = torch.flo
 def folder_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The import direction: (name, tensor) for the weights of an HF folder, under the names of
     the model `models.build_model(folder)` builds (ours for Llama folders), one at a time."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    from models import from_llama_state_dict
-
     folder = Path(folder)
     llama = AutoConfig.from_pretrained(folder).model_type == "llama"
     files = sorted(folder.glob("*.safetensors"))
@@ -171,9 +152,5 @@ def load_state_dict(root: Path, tag: str, state: dict) -> dict[str, torch.Tensor
 
 def config_from_dict(d: dict):
     """A model config saved as a dict (ours or any HF model type) -> its config object."""
-    from transformers import AutoConfig
-
-    import models  # noqa: F401  (registers the "zerostack" model type with AutoConfig)
-
-    d = dict(d)
+    d = dict(d)  # importing models registered the "zerostack" model type with AutoConfig
     return AutoConfig.for_model(d.pop("model_type"), **d)

@@ -1,0 +1,376 @@
+"""Export any zerostack checkpoint to a folder stock `transformers` loads.
+
+    python -m training.export RUN_DIR[/STEP] --out HF_DIR [--dtype bfloat16] [--max-shard-size 2GB]
+
+From a DeepSpeed (ZeRO 0-3, pipeline), DDP or FSDP2 checkpoint, writes config.json
+(LlamaForCausalLM for our model), model.safetensors (or numbered shards and an index),
+generation_config.json, the tokenizer and a model card (README.md). The weights are the fp32
+master weights, read straight from the checkpoint's files: a ZeRO-3 export cannot come out
+empty, because nothing is gathered from a live engine.
+
+Then it checks its own work: the folder is reloaded with AutoModelForCausalLM and its logits and
+greedy generation on a fixed batch must match those of our model holding the checkpoint's
+weights. A mismatch is an error and the folder is not kept. Everything is written into a hidden
+folder beside HF_DIR and renamed into place at the end.
+
+Memory: at most one fp32 copy of the weights at any time. The checkpoint's files are mapped and
+read one parameter at a time (zero_files.py), the safetensors files are written one
+tensor at a time, and our model is freed before the export is reloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.utils import logging
+
+from models import ZeroStackForCausalLM
+from models.hf_adapter import to_llama_config, to_llama_state_dict
+from training.checkpoints import layout as ckpt
+from training.checkpoints.weights import config_from_dict, load_model
+from training.checkpoints.zero_files import release_freed_memory
+from training.errors import CheckpointError, ExportError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+GEN_PROMPT_LEN, GEN_NEW_TOKENS = 8, 16
+
+
+@dataclass
+class Report:
+    """What `export` wrote and how it checked it."""
+
+    folder: Path
+    files: list[str]
+    max_logit_diff: float
+    generated: list[int]  # greedy tokens from the reloaded export (prompt excluded)
+
+
+def locate(path: str | Path) -> tuple[Path, str]:
+    """RUN_DIR (latest complete checkpoint), RUN_DIR/checkpoints, RUN_DIR/checkpoints/step_N,
+    RUN_DIR/step_N or RUN_DIR/N -> (root, tag), after checking the files against their checksums."""
+    try:
+        root, tag = ckpt.locate(path)
+        ckpt.verify(root / tag)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    return root, tag
+
+
+def export(
+    path: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    verify: bool = True,
+    max_shard_size: str | int = "2GB",
+) -> Path:
+    """Write the HF folder for the checkpoint at `path` (see the module doc); returns it."""
+    return export_report(
+        path, out, dtype=dtype, overwrite=overwrite, verify=verify, max_shard_size=max_shard_size
+    ).folder
+
+
+def export_report(
+    path: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    verify: bool = True,
+    max_shard_size: str | int = "2GB",
+) -> Report:
+    """Write the HF folder for the checkpoint at `path`; returns what was written and checked."""
+    out = Path(out)
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    shard_bytes = parse_size(max_shard_size)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ExportError(f"{out}: exists and is not empty; pass --overwrite to replace it")
+    root, tag = locate(path)
+    try:
+        state = ckpt.load_trainer_state(root, tag)
+    except Exception as e:
+        raise ExportError(f"{root / tag}: unreadable trainer state ({e})") from None
+    torch_dtype = DTYPES[dtype]
+    config = config_from_dict(state["model_config"])
+    ours = isinstance(config, ZeroStackForCausalLM.config_class)
+
+    model = load_model(root, tag, state, torch_dtype)
+    ids = _fixed_batch(config.vocab_size)
+    ref_logits, ref_gen = _logits_and_greedy(model, ids)
+
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if ours:
+            _save_llama_streaming(model, config, tmp, torch_dtype, shard_bytes)
+        else:  # any other HF causal LM keeps its own class, names and writer
+            model.to(torch_dtype).save_pretrained(tmp, max_shard_size=shard_bytes)
+        del model
+        release_freed_memory()  # the reload below must not stack on our model's freed pages
+        _write_generation_config(tmp, config)
+        _copy_tokenizer(root.parent, state, tmp)
+        _write_card(tmp, root.parent, tag, state, dtype)
+        err, gen = verify_export(tmp, ids, ref_logits, ref_gen) if verify else (float("nan"), [])
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Report(out, sorted(p.name for p in out.iterdir()), err, gen)
+
+
+def parse_size(size: str | int) -> int:
+    """'2GB', '500MB', '10GiB' or a byte count -> bytes."""
+    if isinstance(size, int):
+        return size
+    s = size.strip().upper()
+    units = {
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "B": 1,
+    }
+    for unit, mult in units.items():
+        if s.endswith(unit) and s[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(s[: -len(unit)]) * mult)
+    if s.isdigit():
+        return int(s)
+    raise ExportError(f"--max-shard-size {size}: give a size such as 2GB or 500MB")
+
+
+def _save_llama_streaming(
+    model, config, folder: Path, dtype: torch.dtype, shard_bytes: int
+) -> None:
+    """config.json and safetensors shards of our model as LlamaForCausalLM, one tensor at a time."""
+    llama_config = to_llama_config(config)
+    llama_config.dtype = dtype
+    llama_config.save_pretrained(folder)
+    sd = to_llama_state_dict(dict(model.named_parameters()))  # named_parameters skips tied copies
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # stored once, as embed_tokens
+    write_safetensors(folder, sd, dtype, shard_bytes)
+
+
+def write_safetensors(
+    folder: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, shard_bytes: int
+) -> list[str]:
+    """Write `tensors` (cast to dtype) as model.safetensors, or as model-0000i-of-0000n
+    shards plus model.safetensors.index.json when they exceed shard_bytes. Each tensor is cast
+    and written on its own, so no second copy of the weights is ever built."""
+    size = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, t in tensors.items():
+        n = t.numel() * size
+        if shards[-1] and used + n > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += n
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for file, names in zip(files, shards):
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name in names:
+            n = tensors[name].numel() * size
+            header[name] = {
+                "dtype": _ST_DTYPE[dtype],
+                "shape": list(tensors[name].shape),
+                "data_offsets": [offset, offset + n],
+            }
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data that follows starts 8-byte aligned
+        with open(folder / file, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for name in names:
+                t = tensors[name].detach().to(dtype).contiguous().reshape(-1)
+                f.write(memoryview(t.view(torch.uint8).numpy()))
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * size for t in tensors.values())},
+            "weight_map": {name: file for file, names in zip(files, shards) for name in names},
+        }
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files
+
+
+def _fixed_batch(vocab_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (2, 16), generator=g)
+
+
+@torch.no_grad()
+def _logits_and_greedy(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    logits = model(input_ids=ids).logits.float()
+    gen = model.generate(
+        ids[:1, :GEN_PROMPT_LEN],
+        attention_mask=torch.ones_like(ids[:1, :GEN_PROMPT_LEN]),
+        max_new_tokens=GEN_NEW_TOKENS,
+        min_new_tokens=GEN_NEW_TOKENS,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
+    )
+    return logits, {
+        "tokens": gen.sequences[0, GEN_PROMPT_LEN:].tolist(),
+        "scores": torch.stack([s[0] for s in gen.scores]).float(),
+    }
+
+
+def verify_export(folder: Path, ids: torch.Tensor, ref_logits: torch.Tensor, ref_gen: dict):
+    """Reload `folder` with stock transformers; its logits on `ids` and its greedy continuation
+    must match the checkpoint's. Returns (max |logit difference|, generated tokens)."""
+    logging.disable_progress_bar()
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    logits, gen = _logits_and_greedy(theirs, ids)
+    del theirs
+    err = (logits - ref_logits).abs().max().item()
+    tol = 1e-4 * max(1.0, ref_logits.abs().max().item())
+    if not err <= tol:
+        raise ExportError(
+            f"{folder}: reloaded logits differ from the checkpoint's by {err:.3g} "
+            f"(tolerance {tol:.3g}); the export is wrong and was not kept"
+        )
+    for i, (a, b) in enumerate(zip(ref_gen["tokens"], gen["tokens"])):
+        if a != b:
+            top2 = ref_gen["scores"][i].topk(2).values
+            if (top2[0] - top2[1]).item() > 2 * tol:  # not a near-tie: a real difference
+                raise ExportError(
+                    f"{folder}: greedy generation from the reloaded export differs from the "
+                    f"checkpoint's at token {i} ({b} vs {a}); the export was not kept"
+                )
+            break
+    return err, gen["tokens"]
+
+
+def _write_generation_config(folder: Path, config) -> None:
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    ).save_pretrained(folder)
+
+
+def _copy_tokenizer(run_dir: Path, state: dict, folder: Path) -> None:
+    for src in (run_dir / "tokenizer", Path(state.get("data_dir", "")) / "tokenizer"):
+        if src.is_dir():
+            for f in src.iterdir():
+                if f.is_file():
+                    shutil.copy2(f, folder / f.name)
+            return
+    print(
+        f"warning: no tokenizer found for {run_dir}; the export has weights only", file=sys.stderr
+    )
+
+
+def _eval_at(run_dir: Path, step: int) -> dict:
+    """The last evaluation at or before `step` (metrics.jsonl), else final_eval.json's."""
+    best = {}
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r.get("kind") == "eval" and r.get("step", math.inf) <= step:
+                best = r
+    except (OSError, ValueError):
+        pass
+    if not best and (run_dir / "final_eval.json").is_file():
+        ev = json.loads((run_dir / "final_eval.json").read_text())
+        best = ev if ev.get("step") == step else {}
+    return best
+
+
+def _write_card(folder: Path, run_dir: Path, tag: str, state: dict, dtype: str) -> None:
+    ev = _eval_at(run_dir, int(state.get("step", 0)))
+    tokens = state.get("tokens")
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags: [zerostack, llama]",
+        "---",
+        "",
+        f"# {run_dir.name}",
+        "",
+        "A causal LM trained with zerostack and exported to a stock `LlamaForCausalLM` folder.",
+        "",
+        f"- checkpoint: `{tag}` ({state.get('backend', 'deepspeed')}, "
+        f"ZeRO-{state.get('zero_stage', 0)}, world {state.get('world')})",
+        f"- model: {state.get('model')}, weights in {dtype}",
+        f"- data: `{Path(state.get('data_dir', '?')).name}`",
+        f"- steps: {state.get('step')}",
+        f"- tokens trained: {tokens:,}" if tokens else "- tokens trained: unknown",
+    ]
+    if ev:
+        lines.append(
+            f"- validation loss {ev.get('val_loss', float('nan')):.4f}, bits per byte "
+            f"{ev.get('bpb', float('nan')):.4f} (at step {ev.get('step')})"
+        )
+    lines += [
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("PATH")',
+        'tok = AutoTokenizer.from_pretrained("PATH")',
+        "```",
+        "",
+    ]
+    (folder / "README.md").write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Export a checkpoint to a Hugging Face folder.")
+    p.add_argument(
+        "path", help="RUN_DIR (latest checkpoint), RUN_DIR/checkpoints/step_N or RUN_DIR/N"
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument(
+        "--max-shard-size", default="2GB", help="larger exports are sharded (default 2GB)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--no-verify", action="store_true", help="skip the reload check")
+    a = p.parse_args(argv)
+    try:
+        r = export_report(
+            a.path,
+            a.out,
+            dtype=a.dtype,
+            overwrite=a.overwrite,
+            verify=not a.no_verify,
+            max_shard_size=a.max_shard_size,
+        )
+    except (ExportError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    check = (
+        ""
+        if a.no_verify
+        else f"; reloaded logits within {r.max_logit_diff:.1e}, greedy generation identical"
+    )
+    print(f"exported {r.folder} ({', '.join(r.files)}){check}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The interface the one training loop drives every engine through, and what an engine is built
+from besides the model. An engine wraps a model and its optimizer; engines differ only where
+DeepSpeed, DDP and FSDP2 differ."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class StepResult:
+    grad_norm: float | None
+    skipped: bool  # the update was not applied (fp16 overflow, non-finite gradients)
+    loss_scale: float | None = None  # fp16 only
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW's hyper-parameters (the learning rate is the schedule's start; `set_lr` moves it)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float  # on matrices only (engines/optim.py)
+
+
+class Engine(ABC):
+    """What the loop calls. `dp_rank`/`dp_world` say which data-parallel replica this rank is and
+    how many there are: what shards the data. Every rank is its own replica, except under
+    pipelining, where the stages of one replica read the same batches."""
+
+    name: str
+    dp_rank: int
+    dp_world: int
+
+    def __init__(self) -> None:
+        initialized = dist.is_initialized()
+        self.dp_rank = dist.get_rank() if initialized else 0
+        self.dp_world = dist.get_world_size() if initialized else 1
+
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The unwrapped model (for export, generate, FLOPs)."""
+
+    @abstractmethod
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, boundary: bool) -> torch.Tensor:
+        """One micro-batch; gradients are reduced only on the boundary. The loss returned sums the
+        micro-batches this call completed (the pipeline engine completes the whole step on the
+        boundary)."""
+
+    @abstractmethod
+    def step(self) -> StepResult:
+        """The optimizer step with clipping, after the step's last micro-batch."""
+
+    @abstractmethod
+    def set_lr(self, lr: float) -> None:
+        """The schedule's value for this step."""
+
+    @abstractmethod
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A no-grad forward; every rank calls (ZeRO-3 gathers, the pipeline passes stages)."""
+
+    @abstractmethod
+    def save(self, root: Path, tag: str, client_state: dict) -> None:
+        """Write this engine's files for checkpoint `tag` (all ranks call)."""
+
+    @abstractmethod
+    def load(self, root: Path, tag: str) -> None:
+        """Restore them (all ranks call)."""
+
+    @abstractmethod
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients, optimizer states and buffers this rank holds."""
+
+    @abstractmethod
+    def train(self) -> None: ...
+
+    @abstractmethod
+    def eval(self) -> None: ...
+
+    def layout(self) -> list[list[str]] | None:
+        """Layer class names per pipeline stage; None when the model is not cut into stages."""
+        return None
+
+    def set_master_weights(self, weights) -> int:
+        """Overwrite the fp32 master weights from (name, tensor) pairs; returns how many were set.
+        Only engines that keep 16-bit weights beside fp32 masters need it (DeepSpeed's)."""
+        return 0

@@ -1,0 +1,36 @@
+"""Building the model the way its engine will hold it. The model package knows no engine: for
+DeepSpeed ZeRO-3 the model is built inside DeepSpeed's construction context, so each rank only
+ever holds its partition, and `build_model` is handed how to see a partitioned parameter whole
+while its initial value is set. Every other engine gets the model built plainly."""
+
+from __future__ import annotations
+
+import deepspeed
+from transformers.integrations import HfDeepSpeedConfig
+
+from models import build_model
+from training.settings.ds_config import zero_stage
+
+
+class ZeRO3Partitioned:
+    """DeepSpeed ZeRO-3's side of `models.Partitioned`. While this object lives, transformers
+    builds models under `deepspeed.zero.Init(config)` (it keeps a weak reference to the
+    HfDeepSpeedConfig), and treats ZeRO-3 as on: that is what makes `generate` use
+    `synced_gpus`. torch.distributed must be initialised first."""
+
+    def __init__(self, ds_config: dict):
+        self.hf_config = HfDeepSpeedConfig(ds_config)
+
+    def gathered(self, params):
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def build_for_engine(spec: str, *, vocab_size: int | None, backend: str, ds_config: dict):
+    """The model named by spec (a preset or a folder), built for `backend` with `ds_config`:
+    partitioned from the start under DeepSpeed ZeRO-3, whole otherwise."""
+    if backend != "deepspeed" or zero_stage(ds_config) != 3:
+        return build_model(spec, vocab_size=vocab_size)
+    partitioned = ZeRO3Partitioned(ds_config)
+    model = build_model(spec, vocab_size=vocab_size, partitioned=partitioned)
+    model.hf_deepspeed_config = partitioned.hf_config  # keeps ZeRO-3 on while the model lives
+    return model

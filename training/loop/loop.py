@@ -1,0 +1,269 @@
+"""The one training loop. It drives any engine (DeepSpeed, DDP, FSDP2) through the same small
+interface (engines/base.py), so schedule, accumulation, logging, evaluation and checkpoints are
+written once. A step: micro-batches through the engine, the optimizer step, one small
+collective in which every rank learns what every other saw (a stop signal, a non-finite loss, a
+skipped update), then logging, evaluation and saving as the settings ask."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from training.checkpoints import layout
+from training.engines.base import Engine, StepResult
+from training.loop.divergence import Guard
+from training.loop.evaluate import Evaluator
+from training.loop.saver import Saver
+from training.loop.schedule import Schedule
+from training.loop.timer import StepTimer
+from training.memory.peak import peak_memory_bytes
+from training.runtime import liveness, signals
+from training.runtime.distributed import all_gather_object, all_reduce_scalars
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # tokens trained on, all ranks
+    skipped: int = 0  # updates not applied (fp16 overflow, non-finite)
+    nonfinite: int = 0  # bf16/fp32 steps with a non-finite loss or gradient norm
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the loop needs of the run's settings."""
+
+    schedule: Schedule
+    grad_accum: int
+    tokens_per_step: int  # all ranks
+    log_every: int
+    eval_every: int  # 0: at the end only
+    save_every: int  # 0: at the end only; -1: never
+    stop_at: int | None
+    max_bad_steps: int
+    flops_per_token: float
+    peak_flops: float  # all ranks together, for MFU
+
+    @property
+    def steps(self) -> int:
+        return self.schedule.total
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank learned from the step's one collective."""
+
+    signum: int  # a stop signal some rank received (0: none)
+    by_rank: int  # which rank received it
+    loss_bad: bool
+    skipped: bool
+
+
+def run(
+    engine: Engine,
+    loader,
+    state: LoopState,
+    config: LoopConfig,
+    *,
+    device: torch.device,
+    logger,
+    saver: Saver,
+    evaluator: Evaluator,
+) -> dict:
+    """Train until config.steps (or --stop-at, or an agreed stop signal: then
+    `signals.current().honored` is set); returns the last evaluation. Raises Diverged after
+    --max-bad-steps consecutive non-finite steps."""
+    stop = signals.current()
+    guard = Guard(config.max_bad_steps, state.nonfinite)
+    timer = StepTimer()
+    losses = LossMeter(device)
+    first_step = state.step
+    engine.train()
+    while state.step < config.steps:
+        lr = config.schedule.at(state.step)
+        engine.set_lr(lr)
+        # Model states are counted once, in the run's second step (see log_state_bytes).
+        count_states = state.step == max(first_step, 1)
+        step_loss = _micro_batches(
+            engine,
+            loader,
+            config.grad_accum,
+            device,
+            logger if count_states else None,
+            state.step,
+            timer,
+        )
+        result = engine.step()
+        state.step += 1
+        state.tokens += config.tokens_per_step
+        liveness.note_step(state.step)
+        agreed = _agree(stop, step_loss, result, device)
+        state.skipped += int(agreed.skipped)
+        bad = _count_nonfinite(agreed, result, state, guard, saver, logger)
+        if not bad:
+            losses.add(step_loss, config.grad_accum)
+        timer.tick()
+        logger.advance(1)
+        if state.step % config.log_every == 0 or state.step == config.steps:
+            _log_train(state, config, lr, result, losses, timer, device, logger)
+        if config.eval_every and state.step % config.eval_every == 0:
+            with timer.paused():
+                evaluator(state.step)
+        saved = _save_if_due(state, config, bad, saver, timer)
+        if agreed.signum:  # every rank agreed to stop: save here and exit (errors.PREEMPTED)
+            if not saved:
+                saver(state)
+            logger.console(
+                f"stopped by {signals.name(agreed.signum)} (received by rank {agreed.by_rank}) "
+                f"after step {state.step}; re-run the same command to resume from "
+                f"{layout.tag_for(state.step)}"
+            )
+            stop.honored = True
+            return evaluator.last
+        if config.stop_at and state.step >= config.stop_at:
+            logger.console(f"stopping after step {state.step} (--stop-at)")
+            return evaluator.last
+    if not (config.eval_every and state.step % config.eval_every == 0):
+        evaluator(state.step)
+    if config.save_every == 0 or (config.save_every > 0 and state.step % config.save_every):
+        saver(state)
+    return evaluator.last
+
+
+class LossMeter:
+    """The mean micro-batch loss since the last log line, kept on the device (no host sync per
+    step)."""
+
+    def __init__(self, device: torch.device):
+        self.sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.count = 0
+
+    def add(self, step_loss: torch.Tensor, micro_batches: int) -> None:
+        self.sum += step_loss
+        self.count += micro_batches
+
+    def take(self) -> float:
+        mean = self.sum.item() / self.count if self.count else float("nan")
+        self.sum.zero_()
+        self.count = 0
+        return mean
+
+
+def _micro_batches(engine, loader, grad_accum, device, count_to, step, timer) -> torch.Tensor:
+    """One step's micro-batches through the engine; returns their summed loss. With a logger in
+    `count_to`, the model states are counted after the first micro-batch."""
+    step_loss = torch.zeros((), dtype=torch.float32, device=device)
+    for micro in range(grad_accum):
+        x, y = loader.next_batch()
+        loss = engine.forward_backward(
+            x.to(device, non_blocking=True),
+            y.to(device, non_blocking=True),
+            boundary=micro == grad_accum - 1,
+        )
+        step_loss += loss.float()
+        if micro == 0 and count_to is not None:
+            with timer.paused():
+                log_state_bytes(engine, count_to, step + 1)
+    return step_loss
+
+
+def log_state_bytes(engine, logger, step: int) -> None:
+    """Once per run, after the first micro-step's backward of a step that is not the run's first
+    (resumed runs: their first step after the resume): optimizer
+    states exist (torch's AdamW makes them in its first step) and the gradients are held as they
+    accumulate (at the boundary DeepSpeed's ZeRO-1 has already partitioned its gradients, so only
+    a non-boundary micro-step shows what it keeps). All ranks call."""
+    per_rank = all_gather_object(engine.state_bytes())
+    worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    logger.log(
+        {
+            "kind": "state_bytes",
+            "step": step,
+            **{f"{k}_bytes": v for k, v in worst.items()},
+            "per_rank": per_rank,
+        }
+    )
+    logger.console(
+        "model states per rank (max over ranks): "
+        + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in worst.items())
+    )
+
+
+def _agree(stop, step_loss: torch.Tensor, result: StepResult, device) -> Agreed:
+    """One small collective per step: every rank learns of a stop signal, a non-finite loss and
+    a skipped update anywhere, so they all count, log and stop alike."""
+    signum, by, loss_bad, skipped = all_reduce_scalars(
+        [
+            stop.signum,
+            stop.rank + 1 if stop.requested else 0,
+            float(not torch.isfinite(step_loss)),
+            float(result.skipped),
+        ],
+        device,
+        op="max",
+    )
+    return Agreed(int(signum), int(by) - 1, bool(loss_bad), bool(skipped))
+
+
+def _count_nonfinite(agreed: Agreed, result, state, guard: Guard, saver: Saver, logger) -> bool:
+    """Whether this step was bad (logged, and counted toward --max-bad-steps)."""
+    # fp16: a skipped update with a finite loss is an overflow, the loss scaler's business.
+    bad = agreed.loss_bad or (agreed.skipped and result.loss_scale is None)
+    if bad:
+        in_a_row, total = guard.in_a_row + 1, guard.total + 1
+        what = "gradient norm" if not agreed.loss_bad else "loss"
+        applied = "skipped on every rank" if agreed.skipped else "APPLIED"
+        logger.log(
+            {
+                "kind": "nonfinite",
+                "step": state.step,
+                "loss_finite": not agreed.loss_bad,
+                "update_skipped": agreed.skipped,
+                "in_a_row": in_a_row,
+                "total": total,
+                "note": f"non-finite {what}, update {applied} ({in_a_row} in a row, {total} in "
+                "total)",
+            }
+        )
+    guard.update(state.step, bad, saver.latest() if bad else None)
+    state.nonfinite = guard.total
+    return bad
+
+
+def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, logger) -> None:
+    steps, seconds = timer.lap()
+    grad_norm = result.grad_norm if result.grad_norm is not None else float("nan")
+    mean_loss, grad_norm = all_reduce_scalars([losses.take(), grad_norm], device)
+    tps = steps * config.tokens_per_step / seconds
+    (mem,) = all_reduce_scalars([peak_memory_bytes(device)], device, op="max")
+    logger.log(
+        {
+            "kind": "train",
+            "step": state.step,
+            "loss": None if math.isnan(mean_loss) else mean_loss,
+            "lr": lr,
+            "grad_norm": None if math.isnan(grad_norm) else grad_norm,
+            "tokens_per_s": tps,
+            "mfu": tps * config.flops_per_token / config.peak_flops,
+            "peak_mem_gb": mem / 2**30,  # the highest rank's
+            "skipped": state.skipped,
+            "nonfinite": state.nonfinite,
+            "tokens": state.tokens,
+            **({"loss_scale": result.loss_scale} if result.loss_scale else {}),
+        }
+    )
+
+
+def _save_if_due(state, config: LoopConfig, bad: bool, saver: Saver, timer) -> bool:
+    """Save every --save-every steps (never inside a run of bad steps: keep the last good
+    checkpoint), and at --stop-at. Returns whether it saved."""
+    if config.save_every > 0 and state.step % config.save_every == 0 and not bad:
+        with timer.paused():
+            saver(state)
+        return True
+    if config.stop_at and state.step >= config.stop_at:
+        saver(state)
+        return True
+    return False

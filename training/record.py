@@ -1,0 +1,106 @@
+"""A run's record: `RUN/resolved_config.json`, everything needed to reproduce the run (flags, the
+final DeepSpeed JSON, the model config, the data, where each rank ran, versions, the commit), and
+the one-line banner rank 0 prints before the first step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import transformers
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_record(
+    *,
+    flags: dict,
+    prepared,
+    model_config,
+    n_params: int,
+    flops_per_token: float,
+    engine,
+    dist,
+    ranks: list[dict],
+    shm: bool,
+    accelerate_state: dict | None,
+    peak_flops: float,
+) -> dict:
+    """What resolved_config.json holds."""
+    manifest = prepared.manifest
+    layout = engine.layout()
+    return {
+        "flags": flags,
+        "ds_config_file": prepared.config_path,
+        "ds_config": prepared.ds_config,
+        "model_config": model_config.to_dict(),
+        "n_params": n_params,
+        "flops_per_token": flops_per_token,
+        "data": {
+            "dir": str(Path(flags["data"]).resolve()),
+            "source": manifest.source,
+            "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None),
+        },
+        "world": dist.world,
+        "pipeline": layout
+        and {"stages": len(layout), "data_parallel": engine.dp_world, "layers": layout},
+        "ranks": ranks,
+        **({"accelerate": accelerate_state} if accelerate_state else {}),
+        "backend": dist.backend,
+        "shm_all_reduce": shm,
+        "device": str(dist.device),
+        "precision": prepared.precision,
+        "peak_flops_per_rank": peak_flops,
+        "versions": versions(),
+        "git_commit": git_commit(),
+    }
+
+
+def banner(record: dict, engine, batch: tuple[int, int, int, int]) -> str:
+    """The run in one line: engine, config, precision, world, model, batch, resume."""
+    flags, cfg = record["flags"], record["ds_config"]
+    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    how = f"ZeRO-{stage}" if flags["backend"] == "deepspeed" else "batch and clipping"
+    comm = record["backend"] + (" + shm all-reduce" if record["shm_all_reduce"] else "")
+    micro, accum, dp, seq = batch
+    line = (
+        f"zerostack: {flags['backend']} | {Path(record['ds_config_file']).name} ({how}) | "
+        f"{record['precision']} | world {record['world']} ({comm}) | model {flags['model']} "
+        f"{record['n_params'] / 1e6:.2f}M params | batch {micro}x{accum}x{dp}x{seq} tokens"
+    )
+    if record["pipeline"]:
+        line += f" | pipeline {record['pipeline']['stages']} stages x {dp} data-parallel"
+    return line
+
+
+def resumed(plan) -> str:
+    """The banner's resume part: ' | resumed from step_N' (and what it was saved on)."""
+    if plan is None:
+        return ""
+    return f" | resumed from {plan.tag}" + (
+        f" (universal: saved on {plan.saved_on})" if plan.universal else ""
+    )
+
+
+def versions() -> dict:
+    return {
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def git_commit() -> str | None:
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -1,0 +1,108 @@
+"""DeepSpeed's shared-memory all-reduce for training collectives on one CPU host.
+
+On CPU DeepSpeed builds a shared-memory all-reduce (the one its CPU inference uses), but its
+training collectives still go to gloo, which moves every byte through loopback TCP; the kernel
+is 2-3x faster per gradient bucket (docs/benchmarks.md). `shared_memory_all_reduce` routes
+DeepSpeed's synchronous whole-world all-reduces through it, and makes sure DeepSpeed's
+/dev/shm segments never outlive the run and are whole before anything is routed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import deepspeed
+import deepspeed.comm.comm as ds_comm
+import torch
+import torch.distributed as dist
+
+from training.runtime import liveness
+
+
+def shared_memory_all_reduce() -> bool:
+    """Send DeepSpeed's all-reduces through its shared-memory kernel (CPU, all ranks on one host).
+
+    On CPU DeepSpeed builds a shared-memory all-reduce (the one its CPU inference uses), but its
+    training collectives still go to gloo, which moves every byte through loopback TCP (2-3x
+    slower per bucket, docs/benchmarks.md). ZeRO-0/1/2 reduce
+    gradients with synchronous all-reduces over the whole world, so those are the calls routed;
+    an async call, a sub-group, another op or dtype, a non-contiguous tensor still go to gloo.
+    The kernel has no timeout, so the wait is marked for the liveness watchdog, which names a
+    peer that died in it. Call it before `deepspeed.initialize`. Returns whether the route is
+    on. ZEROSTACK_SHM_ALLREDUCE=0 opts out."""
+    if not dist.is_initialized():
+        return False
+
+    env, world = os.environ, dist.get_world_size()
+    wanted = env.get("ZEROSTACK_SHM_ALLREDUCE") != "0" and world > 1
+    # DeepSpeed sets its segments up when it starts its comm layer, if LOCAL_SIZE (which its
+    # launcher sets and torchrun does not) says every rank is on this host.
+    fresh = ds_comm.cdb is None
+    if fresh and wanted and "LOCAL_SIZE" not in env:
+        if int(env.get("LOCAL_WORLD_SIZE", 0)) == world:
+            env["LOCAL_SIZE"] = str(world)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing group
+    cdb = ds_comm.cdb
+    if hasattr(cdb, "zerostack_shm"):
+        return cdb.zerostack_shm
+    cdb.zerostack_shm = False
+    if getattr(cdb, "shm_comm_op", None) is None or int(env.get("LOCAL_SIZE", 0)) != world:
+        return False  # no segments (another host in the world, or no kernel for this CPU)
+    # DeepSpeed does not check that its segment was written whole: a full /dev/shm (Docker's
+    # default is 64 MB) or a file-size limit leaves a short one, and the kernel would then
+    # fault. Every rank must have a whole one, or nobody routes.
+    whole = torch.tensor([int(_shm_segment_bytes(dist.get_rank()) >= SHM_SEGMENT_MIN_BYTES)])
+    # Once this returns, every rank has mapped every other's segment (DeepSpeed's init does
+    # that before it returns): drop our name, so no segment outlives the run (DeepSpeed never
+    # unlinks them).
+    dist.all_reduce(whole, op=dist.ReduceOp.MIN)
+    _unlink_shm_segment(dist.get_rank())
+    level = getattr(cdb, "shm_vector_kernel_level", 0)
+    if not (wanted and level >= 1 and whole.item()):
+        return False
+    kernel = torch.ops.deepspeed.inference_all_reduce_
+    needs = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}  # 2 = avx512bw
+    gloo_all_reduce = cdb.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if (
+            not async_op
+            and tensor.device.type == "cpu"
+            and tensor.is_contiguous()
+            and level >= needs.get(tensor.dtype, 99)
+            and cdb._reduce_op(op) == dist.ReduceOp.SUM
+            and (group is None or dist.get_world_size(group) == world)
+        ):
+            with liveness.waiting():
+                kernel(tensor)
+            return None
+        return gloo_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    cdb.all_reduce = all_reduce
+    cdb.zerostack_shm = True
+    return True
+
+
+# DeepSpeed's segment holds two 32 MiB buffers and a few flags (66 MiB in 0.19).
+SHM_SEGMENT_MIN_BYTES = 64 * 2**20
+
+
+def _shm_segment(rank: int) -> str:
+    """DeepSpeed names each rank's segment after the user, the master address and port."""
+    env = os.environ
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+    return f"/dev/shm/{name}{env.get('MASTER_PORT', '')}_{rank}"
+
+
+def _shm_segment_bytes(rank: int) -> int:
+    try:
+        return os.stat(_shm_segment(rank)).st_size
+    except OSError:
+        return 0  # another name scheme, or no /dev/shm: do not route
+
+
+def _unlink_shm_segment(rank: int) -> None:
+    try:
+        os.unlink(_shm_segment(rank))
+    except OSError:
+        pass  # at worst the segment stays, as it would without us
