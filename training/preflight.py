@@ -37,6 +37,14 @@ class Prepared:
     model_config: object  # the model's config (ours or any HF one), not the model
     resume: ResumePlan | None
 
+    @property
+    def micro_batch(self) -> int:
+        return self.ds_config["train_micro_batch_size_per_gpu"]
+
+    @property
+    def grad_accum(self) -> int:
+        return self.ds_config["gradient_accumulation_steps"]
+
 
 def prepare_run(s: Settings, world: int, rank: int = 0) -> Prepared:
     """Check a run before any work; raises ConfigError, DataError, ModelError or CheckpointError
@@ -63,10 +71,15 @@ def prepare_run(s: Settings, world: int, rank: int = 0) -> Prepared:
     precision = s.precision or ds_config.precision(cfg)
     check_engine(s, cfg, cfg_path, precision)
     check_model(s, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
-    now = Topology(s.backend, world, ds_config.zero_stage(cfg), ds_config.pipeline_stages(cfg))
+    now = topology(s.backend, cfg, world)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
     resume = plan_resume(s.resume, Path(s.out), now, s.universal, log)
     return Prepared(cfg, cfg_path, precision, manifest, model_cfg, resume)
+
+
+def topology(backend: str, cfg: dict, world: int) -> Topology:
+    """What a checkpoint's files depend on, for this run."""
+    return Topology(backend, world, ds_config.zero_stage(cfg), ds_config.pipeline_stages(cfg))
 
 
 def check_flags(s: Settings) -> None:

@@ -4,6 +4,8 @@ the one-line banner rank 0 prints before the first step."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,10 @@ import deepspeed
 import torch
 import transformers
 
+from data import BatchLoader
+from training.runtime import cluster
+from training.settings import ds_config
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -19,9 +25,7 @@ def run_record(
     *,
     flags: dict,
     prepared,
-    model_config,
-    n_params: int,
-    flops_per_token: float,
+    facts: dict,
     engine,
     dist,
     ranks: list[dict],
@@ -29,16 +33,17 @@ def run_record(
     accelerate_state: dict | None,
     peak_flops: float,
 ) -> dict:
-    """What resolved_config.json holds."""
+    """What resolved_config.json holds. `facts`: the built model's n_params, flops_per_token and
+    model_config."""
     manifest = prepared.manifest
     layout = engine.layout()
     return {
         "flags": flags,
         "ds_config_file": prepared.config_path,
         "ds_config": prepared.ds_config,
-        "model_config": model_config.to_dict(),
-        "n_params": n_params,
-        "flops_per_token": flops_per_token,
+        "model_config": facts["model_config"].to_dict(),
+        "n_params": facts["n_params"],
+        "flops_per_token": facts["flops_per_token"],
         "data": {
             "dir": str(Path(flags["data"]).resolve()),
             "source": manifest.source,
@@ -59,7 +64,44 @@ def run_record(
     }
 
 
-def banner(record: dict, engine, batch: tuple[int, int, int, int]) -> str:
+def write_record(run_dir: Path, record: dict, manifest) -> None:
+    """Rank 0: resolved_config.json, and the run's own copy of the tokenizer (so exports work
+    after the data folder moves)."""
+    (run_dir / "resolved_config.json").write_text(json.dumps(record, indent=1, default=str))
+    shutil.copytree(manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
+
+
+def describe_ranks(dist, loader: BatchLoader) -> list[dict]:
+    """All ranks call: where each rank runs and what it reads first (from a fresh loader at the
+    same position: the real one is untouched)."""
+    fresh = BatchLoader(
+        loader.dataset,
+        loader.micro_batch,
+        dist.rank,
+        dist.world,
+        loader.seed,
+        loader.consumed_samples,
+    )
+    return cluster.describe_ranks(dist.rank, dist.local_rank, fresh.next_batch()[0])
+
+
+def trainer_facts(record: dict) -> dict:
+    """What every checkpoint's trainer state keeps of the run, for a resume (topology) and an
+    export (model, data) to read back."""
+    flags, cfg = record["flags"], record["ds_config"]
+    return {
+        "seed": flags["seed"],
+        "backend": flags["backend"],
+        "zero_stage": ds_config.zero_stage(cfg),
+        "pipeline_stages": ds_config.pipeline_stages(cfg),
+        "model": flags["model"],
+        "data_dir": record["data"]["dir"],
+        "seq_len": flags["seq_len"],
+        "model_config": record["model_config"],
+    }
+
+
+def banner(record: dict, batch: tuple[int, int, int, int]) -> str:
     """The run in one line: engine, config, precision, world, model, batch, resume."""
     flags, cfg = record["flags"], record["ds_config"]
     stage = cfg.get("zero_optimization", {}).get("stage", 0)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,22 +28,28 @@ import torch  # noqa: E402
 
 from data import BatchLoader, DataError, TokenDataset  # noqa: E402
 from models import ModelError, flops_per_token, pick_attention_kernel, set_attention_kernel  # noqa: E402
-from training.checkpoints import layout, universal  # noqa: E402
+from training.checkpoints import universal  # noqa: E402
 from training.checkpoints.resume import ResumePlan, verify_resume  # noqa: E402
-from training.checkpoints.universal import Topology  # noqa: E402
 from training.checkpoints.weights import folder_weights  # noqa: E402
 from training.engines import Engine, OptimizerConfig, build_engine  # noqa: E402
 from training.engines.construct import build_for_engine  # noqa: E402
 from training.errors import BAD_INPUT, CheckpointError, ConfigError  # noqa: E402
 from training.guard import run_guarded  # noqa: E402
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, Schedule, run  # noqa: E402
-from training.preflight import Prepared, prepare_run  # noqa: E402
-from training.record import banner, resumed, run_record  # noqa: E402
+from training.loop.restore import restore  # noqa: E402
+from training.preflight import Prepared, prepare_run, topology  # noqa: E402
+from training.record import (  # noqa: E402
+    banner,
+    describe_ranks,
+    resumed,
+    run_record,
+    trainer_facts,
+    write_record,
+)
 from training.runtime import cluster, distributed  # noqa: E402
 from training.runtime.distributed import DistInfo  # noqa: E402
-from training.runtime.flops import peak_flops  # noqa: E402
+from training.runtime.flops import peak_flops_per_rank  # noqa: E402
 from training.runtime.shm import shared_memory_all_reduce  # noqa: E402
-from training.settings import ds_config  # noqa: E402
 from training.settings.flags import Settings, parser  # noqa: E402
 
 __all__ = ["Settings", "main", "parser"]
@@ -82,41 +87,25 @@ def train(s: Settings, p: Prepared) -> int:
     dist = started.dist
     torch.manual_seed(s.seed)  # same initial weights on every rank, before the model exists
     engine, facts = build(s, p, started)
-    loader, val_ds, state = restore_data(s, started, engine)
-    micro, accum = (
-        p.ds_config["train_micro_batch_size_per_gpu"],
-        p.ds_config["gradient_accumulation_steps"],
-    )
+    loader, val_ds = make_loaders(s, p, engine)
+    resume = started.resume
+    state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
     record = run_record(
-        flags={**s.as_flags(), "attention": facts["attention"]},
+        flags={**s.as_flags(), "attention": facts.pop("attention")},
         prepared=p,
-        model_config=facts["model_config"],
-        n_params=facts["n_params"],
-        flops_per_token=facts["flops_per_token"],
+        facts=facts,
         engine=engine,
         dist=dist,
-        ranks=cluster.describe_ranks(
-            dist.rank, dist.local_rank, first_batch(s, loader, micro, dist)
-        ),
+        ranks=describe_ranks(dist, loader),
         shm=started.shm,
         accelerate_state=started.accelerate,
-        peak_flops=measured_peak(s, dist, p.precision),
+        peak_flops=peak_flops_per_rank(dist.device, DTYPES[p.precision], s.peak_tflops),
     )
-    logger = RunLogger(
-        run_dir,
-        dist.is_main,
-        s.steps,
-        state.step,
-        wandb=s.wandb,
-        run_name=run_dir.name,
-        config=record,
-    )
+    logger = RunLogger(run_dir, dist.is_main, s.steps, state.step, wandb=s.wandb, config=record)
     if dist.is_main:
-        (run_dir / "resolved_config.json").write_text(json.dumps(record, indent=1, default=str))
-        # The run keeps its own tokenizer copy, so exports work after the data folder moves.
-        shutil.copytree(p.manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
-        batch = (micro, accum, engine.dp_world, s.seq_len)
-        logger.console(banner(record, engine, batch) + resumed(started.resume))
+        write_record(run_dir, record, p.manifest)
+        batch = (p.micro_batch, p.grad_accum, engine.dp_world, s.seq_len)
+        logger.console(banner(record, batch) + resumed(resume))
     if state.step >= s.steps:
         logger.console(f"already trained {state.step} steps; nothing to do")
         last_eval = {}
@@ -142,12 +131,7 @@ def start(s: Settings, p: Prepared, run_dir: Path) -> Started:
     distributed.barrier()
     resume = p.resume
     if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
-        now = Topology(
-            s.backend,
-            dist.world,
-            ds_config.zero_stage(p.ds_config),
-            ds_config.pipeline_stages(p.ds_config),
-        )
+        now = topology(s.backend, p.ds_config, dist.world)
         resume = verify_resume(resume, s.resume == "auto", now, s.universal, log=main_log(dist))
     accelerate = cluster.align_accelerate_state(dist.backend)
     # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
@@ -210,52 +194,18 @@ def build(s: Settings, p: Prepared, started: Started) -> tuple[Engine, dict]:
     return engine, facts
 
 
-def restore_data(s: Settings, started: Started, engine: Engine):
-    """The data reader, sharded over the data-parallel replicas, and the loop's state: fresh, or
-    where the checkpoint left them (with this rank's RNG state when the world is the same)."""
-    micro = started.ds_config["train_micro_batch_size_per_gpu"]
+def make_loaders(s: Settings, p: Prepared, engine: Engine) -> tuple[BatchLoader, TokenDataset]:
+    """The training reader, sharded over the data-parallel replicas, and the validation set."""
     train_ds = TokenDataset(s.data, "train", s.seq_len)
-    val_ds = TokenDataset(s.data, "val", s.seq_len)
-    loader = BatchLoader(train_ds, micro, engine.dp_rank, engine.dp_world, s.seed)
-    plan = started.resume
-    if plan is None:
-        return loader, val_ds, LoopState()
-    engine.load(plan.root, plan.load_tag)
-    saved = plan.trainer_state()
-    state = LoopState(
-        saved["step"], saved["tokens"], saved.get("skipped", 0), saved.get("nonfinite", 0)
-    )
-    loader.load_state_dict(saved["data"])
-    rngs, dist = saved.get("rng", []), started.dist
-    if saved.get("world") == dist.world and dist.rank < len(rngs):
-        layout.set_rng_state(rngs[dist.rank])
-    return loader, val_ds, state
-
-
-def first_batch(s: Settings, loader: BatchLoader, micro: int, dist: DistInfo) -> torch.Tensor:
-    """What this rank reads first (from a fresh loader: the real one is untouched)."""
-    fresh = BatchLoader(
-        loader.dataset, micro, dist.rank, dist.world, s.seed, loader.consumed_samples
-    )
-    return fresh.next_batch()[0]
-
-
-def measured_peak(s: Settings, dist: DistInfo, precision: str) -> float:
-    """Per-rank peak FLOP/s for MFU: --peak-tflops, or rank 0's measurement shared with all."""
-    if s.peak_tflops:
-        return s.peak_tflops * 1e12
-    mine = peak_flops(dist.device, DTYPES[precision]) if dist.is_main else None
-    return distributed.broadcast_object(mine)
+    loader = BatchLoader(train_ds, p.micro_batch, engine.dp_rank, engine.dp_world, s.seed)
+    return loader, TokenDataset(s.data, "val", s.seq_len)
 
 
 def train_loop(
     s: Settings, p: Prepared, engine, loader, val_ds, state, dist, logger, run_dir, record
 ) -> dict:
     """The loop, with its saver and evaluator; returns the last evaluation."""
-    micro, accum = (
-        p.ds_config["train_micro_batch_size_per_gpu"],
-        p.ds_config["gradient_accumulation_steps"],
-    )
+    micro, accum = p.micro_batch, p.grad_accum
     config = LoopConfig(
         schedule=Schedule(s.lr, s.warmup, s.steps, s.min_lr_ratio),
         grad_accum=accum,
@@ -268,16 +218,6 @@ def train_loop(
         flops_per_token=record["flops_per_token"],
         peak_flops=record["peak_flops_per_rank"] * dist.world,
     )
-    run_facts = {  # what a resume and an export read back from the trainer state
-        "seed": s.seed,
-        "backend": s.backend,
-        "zero_stage": ds_config.zero_stage(p.ds_config),
-        "pipeline_stages": ds_config.pipeline_stages(p.ds_config),
-        "model": s.model,
-        "data_dir": str(Path(s.data).resolve()),
-        "seq_len": s.seq_len,
-        "model_config": record["model_config"],
-    }
     saver = Saver(
         engine,
         loader,
@@ -286,7 +226,7 @@ def train_loop(
         keep_last=s.keep_last,
         world=dist.world,
         is_main=dist.is_main,
-        run_facts=run_facts,
+        run_facts=trainer_facts(record),
     )
     evaluator = Evaluator(
         engine,

@@ -66,19 +66,10 @@ def locate(path: str | Path) -> tuple[Path, str]:
     return root, tag
 
 
-def export(
-    path: str | Path,
-    out: str | Path,
-    *,
-    dtype: str = "float32",
-    overwrite: bool = False,
-    verify: bool = True,
-    max_shard_size: str | int = "2GB",
-) -> Path:
-    """Write the HF folder for the checkpoint at `path` (see the module doc); returns it."""
-    return export_report(
-        path, out, dtype=dtype, overwrite=overwrite, verify=verify, max_shard_size=max_shard_size
-    ).folder
+def export(path: str | Path, out: str | Path, **options) -> Path:
+    """Write the HF folder for the checkpoint at `path` (see the module doc); returns it.
+    `options` are export_report's."""
+    return export_report(path, out, **options).folder
 
 
 def export_report(

@@ -33,7 +33,7 @@ class RunLogger:
         # left in the folder would otherwise mix into every reader's numbers).
         mode = "a" if start_step > 0 else "w"
         self._jsonl = open(run_dir / "metrics.jsonl", mode, buffering=1)
-        try:  # optional at run time
+        try:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
@@ -44,7 +44,7 @@ class RunLogger:
 
             os.environ.setdefault("WANDB_DIR", str(run_dir))
             self._wandb = wb.init(
-                project="zerostack", name=run_name, config=config, dir=str(run_dir)
+                project="zerostack", name=run_name or run_dir.name, config=config, dir=str(run_dir)
             )
         from tqdm.auto import tqdm  # rank 0 only
 

@@ -179,22 +179,55 @@ def plan(
     device_type: str = "cpu",
 ) -> Plan:
     """Per-rank bytes by category and location for a resolved or raw ds_config."""
-    zo = ds_cfg.get("zero_optimization", {})
-    stage = ds_config.zero_stage(ds_cfg)
     prec = ds_config.precision(ds_cfg)
     w = 4 if prec == "fp32" else 2
-    dp = max(1, world // ds_config.pipeline_stages(ds_cfg))
     micro = micro_batch or _int(
         ds_cfg.get("train_micro_batch_size_per_gpu"), ds_config.DEFAULT_MICRO_BATCH
     )
-    P = shape.params
-    off_opt = str(zo.get("offload_optimizer", {}).get("device", "none")).lower()
-    off_par = str(zo.get("offload_param", {}).get("device", "none")).lower()
+    per = model_state_placement(shape, ds_cfg, world, device_type)
+    per["activations"]["device"] = activation_bytes(
+        shape, micro, seq_len, w, activation_checkpointing
+    )
+    per["runtime"]["device" if device_type != "cpu" else "host"] = RUNTIME_BYTES.get(
+        device_type, RUNTIME_BYTES["cuda"]
+    )
+    out = Plan(
+        model=shape,
+        config=config_name,
+        stage=ds_config.zero_stage(ds_cfg),
+        precision=prec,
+        world=world,
+        ranks_per_host=ranks_per_host or world,
+        micro_batch=micro,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
+        per_rank={c: {k: int(v) for k, v in d.items()} for c, d in per.items()},
+    )
+    zo = ds_cfg.get("zero_optimization", {})
+    out.deepspeed_estimate = deepspeed_estimate(out, _device(zo, "optimizer"), _device(zo, "param"))
+    return out
+
+
+def _device(zo: dict, what: str) -> str:
+    """Where offload_optimizer / offload_param puts things: none, cpu or nvme."""
+    return str(zo.get(f"offload_{what}", {}).get("device", "none")).lower()
+
+
+def model_state_placement(
+    shape: ModelShape, ds_cfg: dict, world: int, device_type: str
+) -> dict[str, dict[str, float]]:
+    """{category: {location: bytes}} of the model states one rank holds (see the module doc's
+    table), with the offload sections moving them to the host or to disk."""
+    zo = ds_cfg.get("zero_optimization", {})
+    stage = ds_config.zero_stage(ds_cfg)
+    w = 4 if ds_config.precision(ds_cfg) == "fp32" else 2
+    dp = max(1, world // ds_config.pipeline_stages(ds_cfg))
+    P = shape.params  # noqa: N806 (the formulas' P)
+    off_opt, off_par = _device(zo, "optimizer"), _device(zo, "param")
     bucket = _int(
         zo.get("reduce_bucket_size"),
         ds_config.reduce_bucket_size(ds_cfg, shape.hidden, device_type),
     )
-
     params = w * P / dp if stage == 3 else w * P
     grads = w * P / dp if stage >= 2 else w * P
     optimizer = 12 * P / dp if stage >= 1 else (12 if w == 2 else 8) * P
@@ -227,27 +260,7 @@ def plan(
             op = zo["offload_param"]
             size = _int(op.get("buffer_size"), max(shape.largest_layer, 1 << 20))
             per["params"]["host"] = _int(op.get("buffer_count"), 5) * size * w
-
-    per["activations"]["device"] = activation_bytes(
-        shape, micro, seq_len, w, activation_checkpointing
-    )
-    per["runtime"]["device" if device_type != "cpu" else "host"] = RUNTIME_BYTES.get(
-        device_type, RUNTIME_BYTES["cuda"]
-    )
-    out = Plan(
-        model=shape,
-        config=config_name,
-        stage=stage,
-        precision=prec,
-        world=world,
-        ranks_per_host=ranks_per_host or world,
-        micro_batch=micro,
-        seq_len=seq_len,
-        activation_checkpointing=activation_checkpointing,
-        per_rank={c: {k: int(v) for k, v in d.items()} for c, d in per.items()},
-    )
-    out.deepspeed_estimate = deepspeed_estimate(out, off_opt, off_par)
-    return out
+    return per
 
 
 def activation_bytes(shape: ModelShape, micro: int, seq_len: int, w: int, ckpt: bool) -> int:
@@ -433,7 +446,7 @@ def report(p: Plan, cap: Capacity) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description="Per-rank memory for a model, a DeepSpeed config and a world size; whether it "
         "fits; the cheapest shipped config that fits."
@@ -457,9 +470,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-mem", type=float, default=None, help="GiB per host")
     ap.add_argument("--nvme-path", default=".", help="where swap files would go (free space)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    a = ap.parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # --json keeps stdout for the JSON alone: DeepSpeed logs its warnings to stdout.
     with contextlib.redirect_stdout(sys.stderr) if a.json else contextlib.nullcontext():
         try:
@@ -482,34 +498,10 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=a.activation_checkpointing,
             **kw,
         )
-        ok, _ = fits(p, cap)
         best = cheapest_fit(shape, a.world, cap, micro_batch=a.micro_batch, **kw)
-        more = None
-        if best is None:  # the smallest world (doubling) at which some config fits
-            for w in (2**k for k in range(1, 13)):
-                if w > a.world:
-                    b = cheapest_fit(
-                        shape, w, cap, micro_batch=a.micro_batch, **{**kw, "ranks_per_host": rph}
-                    )
-                    if b is not None:
-                        more = (w, b)
-                        break
+        more = None if best is not None else _smallest_world(shape, a.world, cap, a.micro_batch, kw)
     if a.json:
-        fit = best or (more and more[1])
-        summary = {
-            **asdict(p),
-            "model_states_bytes": p.model_states,
-            "total_bytes": {loc: p.total(loc) for loc in LOCATIONS},
-            "capacity": asdict(cap),
-            "fits": ok,
-            "cheapest_fit": fit
-            and {
-                "config": fit.config,
-                "activation_checkpointing": fit.activation_checkpointing,
-                "world": fit.world,
-            },
-        }
-        print(json.dumps(summary, indent=1))
+        print(json.dumps(_summary(p, cap, best or (more and more[1])), indent=1))
         return 0
     print(report(p, cap))
     if best is not None:
@@ -524,3 +516,30 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"no shipped config fits even {2**12} ranks; shrink --micro-batch or --seq-len")
     return 0
+
+
+def _smallest_world(shape, world: int, cap, micro_batch, kw) -> tuple[int, Plan] | None:
+    """The smallest world (doubling, past `world`) at which some shipped config fits."""
+    for w in (2**k for k in range(1, 13)):
+        if w > world:
+            b = cheapest_fit(shape, w, cap, micro_batch=micro_batch, **kw)
+            if b is not None:
+                return w, b
+    return None
+
+
+def _summary(p: Plan, cap: Capacity, fit: Plan | None) -> dict:
+    """What --json prints."""
+    return {
+        **asdict(p),
+        "model_states_bytes": p.model_states,
+        "total_bytes": {loc: p.total(loc) for loc in LOCATIONS},
+        "capacity": asdict(cap),
+        "fits": fits(p, cap)[0],
+        "cheapest_fit": fit
+        and {
+            "config": fit.config,
+            "activation_checkpointing": fit.activation_checkpointing,
+            "world": fit.world,
+        },
+    }

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from training.runtime import distributed
 from training.runtime.distributed import accelerator
 
 
@@ -80,3 +81,14 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: Path | None 
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(cache)
     return float(table[key])
+
+
+def peak_flops_per_rank(
+    device: torch.device, dtype: torch.dtype, override_tflops: float | None = None
+) -> float:
+    """The per-rank peak a run's MFU divides by: --peak-tflops when given, else rank 0's
+    measurement (cached) shared with every rank. All ranks call."""
+    if override_tflops:
+        return override_tflops * 1e12
+    mine = peak_flops(device, dtype) if distributed.rank() == 0 else None
+    return distributed.broadcast_object(mine)
