@@ -46,18 +46,21 @@ class Prepared:
         return self.ds_config["gradient_accumulation_steps"]
 
 
-def prepare_run(s: Settings, world: int, rank: int = 0) -> Prepared:
+def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     """Check a run before any work; raises ConfigError, DataError, ModelError or CheckpointError
     with one line."""
-    check_flags(s)
+    check_flags(settings)
     check_launch_env(world)
-    default = "zero2.json" if s.backend == "deepspeed" else "zero0.json"
-    cfg_path = accelerate_ds_config(s.ds_config) or str(ds_config.CONFIG_DIR / default)
+    default = "zero2.json" if settings.backend == "deepspeed" else "zero0.json"
+    cfg_path = accelerate_ds_config(settings.ds_config) or str(ds_config.CONFIG_DIR / default)
     raw = ds_config.load_json(cfg_path)
-    manifest = load_manifest(s.data)
-    model_cfg = model_config(s.model, manifest.vocab_size)
-    raw = nvme.override_path(raw, s.nvme_path, cfg_path)
-    flags = {**s.as_flags(), **nvme.auto_values(s.nvme_path, Path(s.out), model_cfg)}
+    manifest = load_manifest(settings.data)
+    model_cfg = model_config(settings.model, manifest.vocab_size)
+    raw = nvme.override_path(raw, settings.nvme_path, cfg_path)
+    flags = {
+        **settings.as_flags(),
+        **nvme.auto_values(settings.nvme_path, Path(settings.out), model_cfg),
+    }
     cfg = ds_config.resolve(
         raw,
         world=world,
@@ -66,14 +69,14 @@ def prepare_run(s: Settings, world: int, rank: int = 0) -> Prepared:
         source=cfg_path,
         device_type=accelerator().device_name(),
     )
-    if s.backend == "deepspeed" and nvme.nvme_sections(cfg):
+    if settings.backend == "deepspeed" and nvme.nvme_sections(cfg):
         nvme.check_aio(cfg_path)
-    precision = s.precision or ds_config.precision(cfg)
-    check_engine(s, cfg, cfg_path, precision)
-    check_model(s, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
-    now = topology(s.backend, cfg, world)
+    precision = settings.precision or ds_config.precision(cfg)
+    check_engine(settings, cfg, cfg_path, precision)
+    check_model(settings, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
+    now = topology(settings.backend, cfg, world)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
-    resume = plan_resume(s.resume, Path(s.out), now, s.universal, log)
+    resume = plan_resume(settings.resume, Path(settings.out), now, settings.universal, log)
     return Prepared(cfg, cfg_path, precision, manifest, model_cfg, resume)
 
 
@@ -82,30 +85,35 @@ def topology(backend: str, cfg: dict, world: int) -> Topology:
     return Topology(backend, world, ds_config.zero_stage(cfg), ds_config.pipeline_stages(cfg))
 
 
-def check_flags(s: Settings) -> None:
+def check_flags(settings: Settings) -> None:
     """Flags with impossible values."""
     for flag, value, ok, need in (
-        ("--steps", s.steps, s.steps >= 1, "at least 1"),
-        ("--seq-len", s.seq_len, s.seq_len >= 2, "at least 2"),
-        ("--lr", s.lr, s.lr >= 0, "0 or more"),
-        ("--dist-timeout", s.dist_timeout, s.dist_timeout > 0, "positive (seconds)"),
-        ("--max-bad-steps", s.max_bad_steps, s.max_bad_steps >= 1, "at least 1"),
-        ("--save-every", s.save_every, s.save_every >= -1, "-1 (never), 0 (at the end) or more"),
+        ("--steps", settings.steps, settings.steps >= 1, "at least 1"),
+        ("--seq-len", settings.seq_len, settings.seq_len >= 2, "at least 2"),
+        ("--lr", settings.lr, settings.lr >= 0, "0 or more"),
+        ("--dist-timeout", settings.dist_timeout, settings.dist_timeout > 0, "positive (seconds)"),
+        ("--max-bad-steps", settings.max_bad_steps, settings.max_bad_steps >= 1, "at least 1"),
+        (
+            "--save-every",
+            settings.save_every,
+            settings.save_every >= -1,
+            "-1 (never), 0 (at the end) or more",
+        ),
     ):
         if not ok:
             raise ConfigError(f"{flag} must be {need}, got {value}")
-    out = Path(s.out)
+    out = Path(settings.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a folder")
     for flag, given, needs in (
-        ("--no-fsdp-reshard-after-forward", not s.fsdp_reshard_after_forward, "fsdp"),
-        ("--fsdp-cpu-offload", s.fsdp_cpu_offload, "fsdp"),
-        ("--ddp-bucket-mb", s.ddp_bucket_mb is not None, "ddp"),
+        ("--no-fsdp-reshard-after-forward", not settings.fsdp_reshard_after_forward, "fsdp"),
+        ("--fsdp-cpu-offload", settings.fsdp_cpu_offload, "fsdp"),
+        ("--ddp-bucket-mb", settings.ddp_bucket_mb is not None, "ddp"),
     ):
-        if given and s.backend != needs:
-            raise ConfigError(f"{flag} needs --backend {needs} (got --backend {s.backend})")
-    if s.ddp_bucket_mb is not None and s.ddp_bucket_mb <= 0:
-        raise ConfigError(f"--ddp-bucket-mb must be positive, got {s.ddp_bucket_mb}")
+        if given and settings.backend != needs:
+            raise ConfigError(f"{flag} needs --backend {needs} (got --backend {settings.backend})")
+    if settings.ddp_bucket_mb is not None and settings.ddp_bucket_mb <= 0:
+        raise ConfigError(f"--ddp-bucket-mb must be positive, got {settings.ddp_bucket_mb}")
 
 
 def check_launch_env(world: int) -> None:
@@ -123,43 +131,43 @@ def check_launch_env(world: int) -> None:
         raise ConfigError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
 
 
-def check_engine(s: Settings, cfg: dict, cfg_path: str, precision: str) -> None:
+def check_engine(settings: Settings, cfg: dict, cfg_path: str, precision: str) -> None:
     """What the chosen backend cannot do with this config on this device."""
-    if s.backend == "deepspeed" and precision == "fp16":
+    if settings.backend == "deepspeed" and precision == "fp16":
         acc = accelerator()
         if not acc.is_fp16_supported():
             raise ConfigError(
                 f"{cfg_path}: fp16 is not supported on this device ({acc.device_name()}: no "
                 "fp16 kernels); use a bf16 config such as ds_configs/zero2.json, or fp32.json"
             )
-    if s.backend != "deepspeed" and ds_config.pipeline_stages(cfg) > 1:
+    if settings.backend != "deepspeed" and ds_config.pipeline_stages(cfg) > 1:
         raise ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
 
 
-def check_model(s: Settings, model_cfg, manifest, stages: int, cfg_path: str) -> None:
+def check_model(settings: Settings, model_cfg, manifest, stages: int, cfg_path: str) -> None:
     """The model against the data, the attention kernel and the pipeline: pipelining cuts our
     model (a preset, our folder or a Llama folder) between its blocks."""
     kind = getattr(model_cfg, "model_type", "?")
     ours = kind in ("zerostack", "llama")
-    if s.attention == "explicit" and not ours:
+    if settings.attention == "explicit" and not ours:
         raise ConfigError(
-            f"--attention explicit: {s.model} is a {kind} model; the explicit kernel is our "
+            f"--attention explicit: {settings.model} is a {kind} model; the explicit kernel is our "
             "model's (presets, our exports, Llama folders). Drop the flag"
         )
     if getattr(model_cfg, "vocab_size", manifest.vocab_size) < manifest.vocab_size:
         raise ConfigError(
-            f"--model {s.model}: its vocabulary has {model_cfg.vocab_size} tokens but the data in "
-            f"{s.data} uses {manifest.vocab_size}; prepare the data with that model's tokenizer"
+            f"--model {settings.model}: its vocabulary has {model_cfg.vocab_size} tokens but the data in "
+            f"{settings.data} uses {manifest.vocab_size}; prepare the data with that model's tokenizer"
         )
     if stages <= 1:
         return
     if not ours:
         raise ModelError(
-            f"--model {s.model}: pipelining needs our model (a preset, a zerostack folder or a "
+            f"--model {settings.model}: pipelining needs our model (a preset, a zerostack folder or a "
             f"Llama folder); this is a {kind!r} model, which cannot be cut into stages. Use a "
             "non-pipeline config such as ds_configs/zero1.json"
         )
-    if s.compile:
+    if settings.compile:
         raise ConfigError(
             f"{cfg_path}: --compile does not reach the pipeline's stages (it compiles the whole "
             "model); drop --compile or use a non-pipeline config"

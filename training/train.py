@@ -57,16 +57,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv: list[str] | None = None) -> int:
-    s = Settings.parse(argv)
+    settings = Settings.parse(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        prepared = prepare_run(s, world, rank)
+        prepared = prepare_run(settings, world, rank)
     except (ConfigError, DataError, ModelError, CheckpointError) as e:
         if rank == 0 or not 0 <= rank < world:  # rank 0 speaks for all, a stray rank for itself
             print(f"error: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
-    return run_guarded(lambda: train(s, prepared), rank=rank, world=world, run_dir=s.out)
+    return run_guarded(
+        lambda: train(settings, prepared), rank=rank, world=world, run_dir=settings.out
+    )
 
 
 @dataclass
@@ -80,37 +82,43 @@ class Started:
     accelerate: dict | None  # accelerate's process state, when launched by it
 
 
-def train(s: Settings, p: Prepared) -> int:
-    """Every rank: train as `s` and the preflight's findings `p` say."""
-    run_dir = Path(s.out)
-    started = start(s, p, run_dir)
+def train(settings: Settings, prepared: Prepared) -> int:
+    """Every rank: train as the settings and the preflight's findings say."""
+    run_dir = Path(settings.out)
+    started = start(settings, prepared, run_dir)
     dist = started.dist
-    torch.manual_seed(s.seed)  # same initial weights on every rank, before the model exists
-    engine, facts = build(s, p, started)
-    loader, val_ds = make_loaders(s, p, engine)
+    torch.manual_seed(settings.seed)  # same initial weights on every rank, before the model exists
+    engine, facts = build(settings, prepared, started)
+    loader, val_ds = make_loaders(settings, prepared, engine)
     resume = started.resume
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
     record = run_record(
-        flags={**s.as_flags(), "attention": facts.pop("attention")},
-        prepared=p,
+        flags={**settings.as_flags(), "attention": facts.pop("attention")},
+        prepared=prepared,
         facts=facts,
         engine=engine,
         dist=dist,
         ranks=describe_ranks(dist, loader),
         shm=started.shm,
         accelerate_state=started.accelerate,
-        peak_flops=peak_flops_per_rank(dist.device, DTYPES[p.precision], s.peak_tflops),
+        peak_flops=peak_flops_per_rank(
+            dist.device, DTYPES[prepared.precision], settings.peak_tflops
+        ),
     )
-    logger = RunLogger(run_dir, dist.is_main, s.steps, state.step, wandb=s.wandb, config=record)
+    logger = RunLogger(
+        run_dir, dist.is_main, settings.steps, state.step, wandb=settings.wandb, config=record
+    )
     if dist.is_main:
-        write_record(run_dir, record, p.manifest)
-        batch = (p.micro_batch, p.grad_accum, engine.dp_world, s.seq_len)
+        write_record(run_dir, record, prepared.manifest)
+        batch = (prepared.micro_batch, prepared.grad_accum, engine.dp_world, settings.seq_len)
         logger.console(banner(record, batch) + resumed(resume))
-    if state.step >= s.steps:
+    if state.step >= settings.steps:
         logger.console(f"already trained {state.step} steps; nothing to do")
         last_eval = {}
     else:
-        last_eval = train_loop(s, p, engine, loader, val_ds, state, dist, logger, run_dir, record)
+        last_eval = train_loop(
+            settings, prepared, engine, loader, val_ds, state, dist, logger, run_dir, record
+        )
     if dist.is_main and last_eval:
         (run_dir / "final_eval.json").write_text(json.dumps({"step": state.step, **last_eval}))
     logger.close()
@@ -122,22 +130,24 @@ def train(s: Settings, p: Prepared) -> int:
     return 0
 
 
-def start(s: Settings, p: Prepared, run_dir: Path) -> Started:
+def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     """The process group; the resume plan verified by every rank (falling back past a corrupt
     checkpoint with --resume auto); DeepSpeed's comm layer; the universal copy, if needed."""
-    dist = distributed.setup(timeout_s=s.dist_timeout, local_rank_arg=s.local_rank)
+    dist = distributed.setup(timeout_s=settings.dist_timeout, local_rank_arg=settings.local_rank)
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
-    resume = p.resume
+    resume = prepared.resume
     if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
-        now = topology(s.backend, p.ds_config, dist.world)
-        resume = verify_resume(resume, s.resume == "auto", now, s.universal, log=main_log(dist))
+        now = topology(settings.backend, prepared.ds_config, dist.world)
+        resume = verify_resume(
+            resume, settings.resume == "auto", now, settings.universal, log=main_log(dist)
+        )
     accelerate = cluster.align_accelerate_state(dist.backend)
     # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
     # CPU host its all-reduces then go through shared memory.
-    shm = s.backend == "deepspeed" and shared_memory_all_reduce()
-    cfg = p.ds_config
+    shm = settings.backend == "deepspeed" and shared_memory_all_reduce()
+    cfg = prepared.ds_config
     if resume is not None and resume.universal:
         universal_copy(resume, dist)
         cfg = {**cfg, "checkpoint": {**cfg.get("checkpoint", {}), "load_universal": True}}
@@ -155,66 +165,84 @@ def universal_copy(plan: ResumePlan, dist: DistInfo) -> None:
     distributed.barrier()
 
 
-def build(s: Settings, p: Prepared, started: Started) -> tuple[Engine, dict]:
+def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Engine, dict]:
     """The model, built as its engine will hold it, wrapped in that engine. Returns the engine
     and the facts the record keeps (kernel, parameter count, FLOPs per token, config)."""
     dist = started.dist
     model = build_for_engine(
-        s.model, vocab_size=p.manifest.vocab_size, backend=s.backend, ds_config=started.ds_config
+        settings.model,
+        vocab_size=prepared.manifest.vocab_size,
+        backend=settings.backend,
+        ds_config=started.ds_config,
     )
-    attention = pick_attention_kernel(s.attention, dist.device.type, s.seq_len)
+    attention = pick_attention_kernel(settings.attention, dist.device.type, settings.seq_len)
     set_attention_kernel(model, attention)  # the pipeline engine sets its own layers' kernel
-    if s.activation_checkpointing:
+    if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if s.compile:
+    if settings.compile:
         model.compile()  # in place: parameter names and checkpoints are unchanged
-    n_params = sum(getattr(p_, "ds_numel", p_.numel()) for p_ in model.parameters())
+    n_params = sum(getattr(w, "ds_numel", w.numel()) for w in model.parameters())
     facts = {
         "attention": attention,
         "n_params": n_params,
-        "flops_per_token": flops_per_token(model.config, s.seq_len, n_params=n_params),
+        "flops_per_token": flops_per_token(model.config, settings.seq_len, n_params=n_params),
         "model_config": model.config,
     }
     engine = build_engine(
-        s.backend,
+        settings.backend,
         model=model,
         ds_config=started.ds_config,
-        optimizer=OptimizerConfig(s.lr, (s.beta1, s.beta2), s.eps, s.weight_decay),
+        optimizer=OptimizerConfig(
+            settings.lr, (settings.beta1, settings.beta2), settings.eps, settings.weight_decay
+        ),
         device=dist.device,
-        precision=p.precision,
+        precision=prepared.precision,
         attention=attention,
-        ddp_bucket_mb=s.ddp_bucket_mb,
-        fsdp_reshard_after_forward=s.fsdp_reshard_after_forward,
-        fsdp_cpu_offload=s.fsdp_cpu_offload,
+        ddp_bucket_mb=settings.ddp_bucket_mb,
+        fsdp_reshard_after_forward=settings.fsdp_reshard_after_forward,
+        fsdp_cpu_offload=settings.fsdp_cpu_offload,
     )
     del model  # the pipeline engine keeps only its stage's layers: free the rest
-    if started.resume is None and p.precision != "fp32" and Path(s.model).is_dir():
+    if started.resume is None and prepared.precision != "fp32" and Path(settings.model).is_dir():
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
-        engine.set_master_weights(folder_weights(s.model))
+        engine.set_master_weights(folder_weights(settings.model))
     return engine, facts
 
 
-def make_loaders(s: Settings, p: Prepared, engine: Engine) -> tuple[BatchLoader, TokenDataset]:
+def make_loaders(
+    settings: Settings, prepared: Prepared, engine: Engine
+) -> tuple[BatchLoader, TokenDataset]:
     """The training reader, sharded over the data-parallel replicas, and the validation set."""
-    train_ds = TokenDataset(s.data, "train", s.seq_len)
-    loader = BatchLoader(train_ds, p.micro_batch, engine.dp_rank, engine.dp_world, s.seed)
-    return loader, TokenDataset(s.data, "val", s.seq_len)
+    train_ds = TokenDataset(settings.data, "train", settings.seq_len)
+    loader = BatchLoader(
+        train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, settings.seed
+    )
+    return loader, TokenDataset(settings.data, "val", settings.seq_len)
 
 
 def train_loop(
-    s: Settings, p: Prepared, engine, loader, val_ds, state, dist, logger, run_dir, record
+    settings: Settings,
+    prepared: Prepared,
+    engine,
+    loader,
+    val_ds,
+    state,
+    dist,
+    logger,
+    run_dir,
+    record,
 ) -> dict:
     """The loop, with its saver and evaluator; returns the last evaluation."""
-    micro, accum = p.micro_batch, p.grad_accum
+    micro, accum = prepared.micro_batch, prepared.grad_accum
     config = LoopConfig(
-        schedule=Schedule(s.lr, s.warmup, s.steps, s.min_lr_ratio),
+        schedule=Schedule(settings.lr, settings.warmup, settings.steps, settings.min_lr_ratio),
         grad_accum=accum,
-        tokens_per_step=micro * accum * engine.dp_world * s.seq_len,
-        log_every=s.log_every,
-        eval_every=s.eval_every,
-        save_every=s.save_every,
-        stop_at=s.stop_at,
-        max_bad_steps=s.max_bad_steps,
+        tokens_per_step=micro * accum * engine.dp_world * settings.seq_len,
+        log_every=settings.log_every,
+        eval_every=settings.eval_every,
+        save_every=settings.save_every,
+        stop_at=settings.stop_at,
+        max_bad_steps=settings.max_bad_steps,
         flops_per_token=record["flops_per_token"],
         peak_flops=record["peak_flops_per_rank"] * dist.world,
     )
@@ -223,7 +251,7 @@ def train_loop(
         loader,
         logger,
         root=run_dir / "checkpoints",
-        keep_last=s.keep_last,
+        keep_last=settings.keep_last,
         world=dist.world,
         is_main=dist.is_main,
         run_facts=trainer_facts(record),
@@ -232,7 +260,7 @@ def train_loop(
         engine,
         val_ds,
         micro_batch=micro,
-        max_samples=s.eval_samples,
+        max_samples=settings.eval_samples,
         device=dist.device,
         logger=logger,
     )

@@ -203,14 +203,16 @@ def plan(
         activation_checkpointing=activation_checkpointing,
         per_rank={c: {k: int(v) for k, v in d.items()} for c, d in per.items()},
     )
-    zo = ds_cfg.get("zero_optimization", {})
-    out.deepspeed_estimate = deepspeed_estimate(out, _device(zo, "optimizer"), _device(zo, "param"))
+    zero = ds_cfg.get("zero_optimization", {})
+    out.deepspeed_estimate = deepspeed_estimate(
+        out, _device(zero, "optimizer"), _device(zero, "param")
+    )
     return out
 
 
-def _device(zo: dict, what: str) -> str:
+def _device(zero: dict, what: str) -> str:
     """Where offload_optimizer / offload_param puts things: none, cpu or nvme."""
-    return str(zo.get(f"offload_{what}", {}).get("device", "none")).lower()
+    return str(zero.get(f"offload_{what}", {}).get("device", "none")).lower()
 
 
 def model_state_placement(
@@ -218,19 +220,19 @@ def model_state_placement(
 ) -> dict[str, dict[str, float]]:
     """{category: {location: bytes}} of the model states one rank holds (see the module doc's
     table), with the offload sections moving them to the host or to disk."""
-    zo = ds_cfg.get("zero_optimization", {})
+    zero = ds_cfg.get("zero_optimization", {})
     stage = ds_config.zero_stage(ds_cfg)
     w = 4 if ds_config.precision(ds_cfg) == "fp32" else 2
     dp = max(1, world // ds_config.pipeline_stages(ds_cfg))
-    P = shape.params  # noqa: N806 (the formulas' P)
-    off_opt, off_par = _device(zo, "optimizer"), _device(zo, "param")
+    n_params = shape.params
+    off_opt, off_par = _device(zero, "optimizer"), _device(zero, "param")
     bucket = _int(
-        zo.get("reduce_bucket_size"),
+        zero.get("reduce_bucket_size"),
         ds_config.reduce_bucket_size(ds_cfg, shape.hidden, device_type),
     )
-    params = w * P / dp if stage == 3 else w * P
-    grads = w * P / dp if stage >= 2 else w * P
-    optimizer = 12 * P / dp if stage >= 1 else (12 if w == 2 else 8) * P
+    params = w * n_params / dp if stage == 3 else w * n_params
+    grads = w * n_params / dp if stage >= 2 else w * n_params
+    optimizer = 12 * n_params / dp if stage >= 1 else (12 if w == 2 else 8) * n_params
     buffers = bucket * w if stage in (1, 3) else 0
 
     per = {c: dict.fromkeys(LOCATIONS, 0) for c in CATEGORIES}
@@ -241,12 +243,12 @@ def model_state_placement(
         per["optimizer"]["device"] = optimizer
     else:
         # The optimizer step runs on the host, on an fp32 copy of this rank's gradient partition.
-        per["grads"]["host"] = 4 * P / dp
+        per["grads"]["host"] = 4 * n_params / dp
         if off_opt == "cpu":
             per["optimizer"]["host"] = optimizer
         else:  # nvme: states and fp32 gradients on disk, swapped through buffer_count buffers
-            sub = min(_int(zo.get("sub_group_size"), 1_000_000_000), math.ceil(P / dp))
-            count = _int(zo["offload_optimizer"].get("buffer_count"), 4)
+            sub = min(_int(zero.get("sub_group_size"), 1_000_000_000), math.ceil(n_params / dp))
+            count = _int(zero["offload_optimizer"].get("buffer_count"), 4)
             per["optimizer"]["nvme"] = optimizer
             per["grads"]["nvme"] = per["grads"]["host"]
             per["grads"]["host"] = 0
@@ -257,7 +259,7 @@ def model_state_placement(
             per["params"]["host"] = params
         else:
             per["params"]["nvme"] = params
-            op = zo["offload_param"]
+            op = zero["offload_param"]
             size = _int(op.get("buffer_size"), max(shape.largest_layer, 1 << 20))
             per["params"]["host"] = _int(op.get("buffer_count"), 5) * size * w
     return per

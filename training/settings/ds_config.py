@@ -302,14 +302,14 @@ def _derive_batch(cfg: dict, dp: int, source: str) -> None:
 
 def _check_combinations(cfg: dict, source: str) -> None:
     stage = zero_stage(cfg)
-    zo = cfg.get("zero_optimization", {})
+    zero = cfg.get("zero_optimization", {})
     if pipeline_stages(cfg) > 1 and stage > 1:
         raise ConfigError(
             f"{source}: pipeline parallelism works with ZeRO stage 0 or 1 only (DeepSpeed "
             f"refuses ZeRO-{stage} with pipelining); set zero_optimization.stage to 1"
         )
-    off_opt = zo.get("offload_optimizer", {}).get("device", "none")
-    off_par = zo.get("offload_param", {}).get("device", "none")
+    off_opt = zero.get("offload_optimizer", {}).get("device", "none")
+    off_par = zero.get("offload_param", {}).get("device", "none")
     if off_par not in ("none", None) and stage != 3:
         raise ConfigError(f"{source}: offload_param needs ZeRO stage 3 (stage is {stage})")
     if off_opt == "nvme" and stage != 3:
