@@ -7,9 +7,9 @@
 parse the flags (settings/flags.py) -> check everything that can be checked before any work
 (preflight.py) -> train under guard.py, which turns how the run ended into its exit code
 (errors.py: 0 done, 2 bad input, 3 diverged, 4 lost a rank, 5 could not save, 75 preempted).
-Training: the process group, the resume plan verified by all ranks, the model built for its
-engine, the engine, the data restored to where the checkpoint left it, the run's record, the
-loop. docs/architecture.md draws the layers.
+Training: the process group and the resume plan verified by all ranks (startup.py), the model
+built for its engine, the engine, the data restored to where the checkpoint left it, the run's
+record (record.py), the loop. docs/architecture.md draws the layers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import gc
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by the launchers: make the repo importable
@@ -28,8 +27,6 @@ import torch  # noqa: E402
 
 from data import BatchLoader, DataError, TokenDataset  # noqa: E402
 from models import ModelError, flops_per_token, pick_attention_kernel, set_attention_kernel  # noqa: E402
-from training.checkpoints import universal  # noqa: E402
-from training.checkpoints.resume import ResumePlan, verify_resume  # noqa: E402
 from training.checkpoints.weights import folder_weights  # noqa: E402
 from training.engines import Engine, OptimizerConfig, build_engine  # noqa: E402
 from training.engines.construct import build_for_engine  # noqa: E402
@@ -37,7 +34,7 @@ from training.errors import BAD_INPUT, CheckpointError, ConfigError  # noqa: E40
 from training.guard import run_guarded  # noqa: E402
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, Schedule, run  # noqa: E402
 from training.loop.restore import restore  # noqa: E402
-from training.preflight import Prepared, prepare_run, topology  # noqa: E402
+from training.preflight import Prepared, prepare_run  # noqa: E402
 from training.record import (  # noqa: E402
     banner,
     describe_ranks,
@@ -46,11 +43,10 @@ from training.record import (  # noqa: E402
     trainer_facts,
     write_record,
 )
-from training.runtime import cluster, distributed  # noqa: E402
-from training.runtime.distributed import DistInfo  # noqa: E402
+from training.runtime import distributed  # noqa: E402
 from training.runtime.flops import peak_flops_per_rank  # noqa: E402
-from training.runtime.shm import shared_memory_all_reduce  # noqa: E402
 from training.settings.flags import Settings, parser  # noqa: E402
+from training.startup import Started, start  # noqa: E402
 
 __all__ = ["Settings", "main", "parser"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,17 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_guarded(
         lambda: train(settings, prepared), rank=rank, world=world, run_dir=settings.out
     )
-
-
-@dataclass
-class Started:
-    """The process group and what was decided once it was up."""
-
-    dist: DistInfo
-    resume: ResumePlan | None
-    ds_config: dict  # the prepared one, asking for a universal load when the plan says so
-    shm: bool  # DeepSpeed's all-reduces go through shared memory
-    accelerate: dict | None  # accelerate's process state, when launched by it
 
 
 def train(settings: Settings, prepared: Prepared) -> int:
@@ -128,41 +113,6 @@ def train(settings: Settings, prepared: Prepared) -> int:
     gc.collect()
     distributed.teardown()
     return 0
-
-
-def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
-    """The process group; the resume plan verified by every rank (falling back past a corrupt
-    checkpoint with --resume auto); DeepSpeed's comm layer; the universal copy, if needed."""
-    dist = distributed.setup(timeout_s=settings.dist_timeout, local_rank_arg=settings.local_rank)
-    if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    distributed.barrier()
-    resume = prepared.resume
-    if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
-        now = topology(settings.backend, prepared.ds_config, dist.world)
-        resume = verify_resume(
-            resume, settings.resume == "auto", now, settings.universal, log=main_log(dist)
-        )
-    accelerate = cluster.align_accelerate_state(dist.backend)
-    # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
-    # CPU host its all-reduces then go through shared memory.
-    shm = settings.backend == "deepspeed" and shared_memory_all_reduce()
-    cfg = prepared.ds_config
-    if resume is not None and resume.universal:
-        universal_copy(resume, dist)
-        cfg = {**cfg, "checkpoint": {**cfg.get("checkpoint", {}), "load_universal": True}}
-    return Started(dist, resume, cfg, shm, accelerate)
-
-
-def universal_copy(plan: ResumePlan, dist: DistInfo) -> None:
-    """Rank 0 converts the checkpoint once, beside it; the other ranks wait."""
-    if dist.is_main:
-        try:
-            universal.ensure(plan.root, plan.tag, log=lambda m: print(m, flush=True))
-        except CheckpointError as e:  # the launcher then stops the others
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(BAD_INPUT)
-    distributed.barrier()
 
 
 def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Engine, dict]:
@@ -274,11 +224,6 @@ def train_loop(
         saver=saver,
         evaluator=evaluator,
     )
-
-
-def main_log(dist: DistInfo):
-    """A log line printed by rank 0 only."""
-    return (lambda m: print(m, file=sys.stderr, flush=True)) if dist.is_main else (lambda m: None)
 
 
 if __name__ == "__main__":

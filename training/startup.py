@@ -1,0 +1,70 @@
+"""A run's first collective steps, on every rank: the process group, the resume plan verified by
+all ranks together (falling back past a corrupt checkpoint with --resume auto), accelerate's
+process state, DeepSpeed's comm layer with its shared-memory route, and the universal copy a
+resume on another topology needs."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from training.checkpoints import universal
+from training.checkpoints.resume import ResumePlan, verify_resume
+from training.errors import BAD_INPUT, CheckpointError
+from training.preflight import Prepared, topology
+from training.runtime import cluster, distributed
+from training.runtime.distributed import DistInfo
+from training.runtime.shm import shared_memory_all_reduce
+from training.settings.flags import Settings
+
+
+@dataclass
+class Started:
+    """The process group and what was decided once it was up."""
+
+    dist: DistInfo
+    resume: ResumePlan | None
+    ds_config: dict  # the prepared one, asking for a universal load when the plan says so
+    shm: bool  # DeepSpeed's all-reduces go through shared memory
+    accelerate: dict | None  # accelerate's process state, when launched by it
+
+
+def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
+    """The process group; the resume plan verified by every rank (falling back past a corrupt
+    checkpoint with --resume auto); DeepSpeed's comm layer; the universal copy, if needed."""
+    dist = distributed.setup(timeout_s=settings.dist_timeout, local_rank_arg=settings.local_rank)
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    distributed.barrier()
+    resume = prepared.resume
+    if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
+        now = topology(settings.backend, prepared.ds_config, dist.world)
+        resume = verify_resume(
+            resume, settings.resume == "auto", now, settings.universal, log=main_log(dist)
+        )
+    accelerate = cluster.align_accelerate_state(dist.backend)
+    # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
+    # CPU host its all-reduces then go through shared memory.
+    shm = settings.backend == "deepspeed" and shared_memory_all_reduce()
+    cfg = prepared.ds_config
+    if resume is not None and resume.universal:
+        universal_copy(resume, dist)
+        cfg = {**cfg, "checkpoint": {**cfg.get("checkpoint", {}), "load_universal": True}}
+    return Started(dist, resume, cfg, shm, accelerate)
+
+
+def universal_copy(plan: ResumePlan, dist: DistInfo) -> None:
+    """Rank 0 converts the checkpoint once, beside it; the other ranks wait."""
+    if dist.is_main:
+        try:
+            universal.ensure(plan.root, plan.tag, log=lambda m: print(m, flush=True))
+        except CheckpointError as e:  # the launcher then stops the others
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(BAD_INPUT)
+    distributed.barrier()
+
+
+def main_log(dist: DistInfo):
+    """A log line printed by rank 0 only."""
+    return (lambda m: print(m, file=sys.stderr, flush=True)) if dist.is_main else (lambda m: None)
