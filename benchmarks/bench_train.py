@@ -184,7 +184,7 @@ def write_table(rows: list[dict], a) -> None:
         f"{a.seq_len}, global batch {a.micro_batch * a.ranks} sequences "
         f"({a.micro_batch * a.ranks * a.seq_len} tokens) per step. DeepSpeed rows: {a.ranks} "
         "ranks (gloo), one thread each. MFU is against the matmul peak of the run's precision "
-        "measured on this machine (training/metrics.py), summed over ranks. Memory is the "
+        "measured on this machine (training/runtime/flops.py), summed over ranks. Memory is the "
         "highest rank's peak RSS. Plain loops run at a constant learning rate, the trainer "
         "with warm-up and cosine decay: their final losses differ for that reason."
         + (f" Extra trainer flags: `{' '.join(a.extra)}`." if a.extra else ""),

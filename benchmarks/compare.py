@@ -334,7 +334,7 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "",
         "## How model states are counted",
         "",
-        "`training/memory.py` walks what each engine holds on a rank: the model's parameters "
+        "`training/memory/state_bytes.py` walks what each engine holds on a rank: the model's parameters "
         "and their gradients, and every tensor reachable from the optimizer object (for "
         "DeepSpeed its flat bf16/fp32 partitions, gradient partitions and buckets; for FSDP2 "
         "the DTensor shards). Each storage is counted once by its size, so views into a flat "

@@ -8,7 +8,7 @@
 #
 # Restarts resume from the latest complete checkpoint in --out. Exit codes 2 (bad input),
 # 3 (diverged) and 5 (could not save) are not retried: they would fail the same way again
-# (training/exits.py lists them all). SIGTERM, SIGUSR1 or Ctrl-C to this script go to the
+# (training/errors.py lists them all). SIGTERM, SIGUSR1 or Ctrl-C to this script go to the
 # ranks themselves (DeepSpeed's launcher would kill them instead): they save a checkpoint at
 # the next step boundary and exit with 75, and the script stops.
 set -uo pipefail
