@@ -80,7 +80,7 @@ def launch(
 
 def shm_has_room(ranks: int = 2) -> bool:
     """Whether /dev/shm can hold DeepSpeed's shared-memory segments (66 MiB per rank): without
-    room the all-reduce route stays off (training/distributed.py), and tests expect that."""
+    room the all-reduce route stays off (training/runtime/shm.py), and tests expect that."""
     try:
         st = os.statvfs("/dev/shm")
     except OSError:

@@ -9,7 +9,10 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import PY, REPO, free_port, read_metrics
+
+pytestmark = pytest.mark.slow  # a real 2-rank accelerate launch
 
 
 def test_accelerate_launch_shards_the_data(tiny_data, tmp_path):

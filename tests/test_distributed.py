@@ -1,4 +1,4 @@
-"""DeepSpeed's all-reduce through shared memory on one CPU host (training/distributed.py)."""
+"""DeepSpeed's all-reduce through shared memory on one CPU host (training/runtime/shm.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 
 import pytest
 from conftest import launch, shm_has_room
+
+pytestmark = pytest.mark.slow  # real 2-rank process groups
 
 
 def test_shm_all_reduce_sums_like_gloo_and_leaves_nothing_behind():

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
 from conftest import PY, REPO, launch
 
 
+@pytest.mark.slow
 def test_doctor_on_two_ranks_runs_the_collectives(tiny_data, tmp_path):
     r = launch(
         ["--out", str(tmp_path / "run"), "--data", str(tiny_data)], script="launch/doctor.py"

@@ -59,6 +59,7 @@ def runs(tiny_data, init_model, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_engines_follow_the_same_trajectory(runs):
     """Reference ZeRO-2 (bf16 weights, fp32 master copies, fp32 gradient reduction). DDP
     (fp32 weights, bf16 autocast), FSDP2 (fp32 shards, bf16 compute, fp32 reduction), ZeRO-1
@@ -110,6 +111,7 @@ def stopped(tiny_data, init_model, tmp_path_factory):
     return base
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_native_engines_resume_exactly(runs, stopped, tiny_data, init_model, backend):
     """Resume the run stopped at step 10 and go on to 20: the same numbers, bit for bit, as
@@ -125,6 +127,7 @@ def test_native_engines_resume_exactly(runs, stopped, tiny_data, init_model, bac
     assert val[0] == val[1]
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_from_2_ranks_resumes_on_1(runs, stopped, tiny_data, init_model, tmp_path):
     """DCP reshards on load: step 10 of the 2-rank run continues on 1 rank with the same global
     batch (micro 1 x 4 accumulation), with both FSDP switches flipped (they change memory and
@@ -150,13 +153,14 @@ def test_fsdp_checkpoint_from_2_ranks_resumes_on_1(runs, stopped, tiny_data, ini
     assert json.loads((one / "resolved_config.json").read_text())["world"] == 1
 
 
+@pytest.mark.slow
 def test_model_state_bytes_fall_as_theory_says(tiny_data, tmp_path):
     """A 19M-parameter model (hidden 384, 8 layers; the tiny vocabulary keeps the embedding
     small), so model states dominate. tests/scripts/state_bytes.py builds each engine in one
     2-rank process group and counts what it holds where the training loop counts
-    (training/memory.py). With N parameters: DDP keeps 4N (fp32 weights) + 4N (grads) + 8N
-    (Adam); DeepSpeed ZeRO-0 in bf16 keeps 2N + 2N + 12N (fp32 master + Adam); each ZeRO
-    stage halves one more of them on 2 ranks, and FSDP2 halves all of DDP's."""
+    (training/memory/state_bytes.py). With N parameters: DDP keeps 4N (fp32 weights) + 4N
+    (grads) + 8N (Adam); DeepSpeed ZeRO-0 in bf16 keeps 2N + 2N + 12N (fp32 master + Adam);
+    each ZeRO stage halves one more of them on 2 ranks, and FSDP2 halves all of DDP's."""
     from models import ZeroStackConfig, num_params
 
     model = tmp_path / "m19"
@@ -202,9 +206,10 @@ def test_model_state_bytes_fall_as_theory_says(tiny_data, tmp_path):
     assert near(z[3]["optimizer"], z[2]["optimizer"]), z[3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_native_checkpoint_exports_to_hf(runs, tmp_path, backend):
-    """The final checkpoint goes through training/export.py like DeepSpeed's; stock
+    """The final checkpoint goes through training/checkpoints/export.py like DeepSpeed's; stock
     transformers reloads it and its logits match our model holding the checkpoint's weights."""
     from transformers import AutoModelForCausalLM
 
@@ -244,6 +249,7 @@ def test_native_checkpoint_exports_to_hf(runs, tmp_path, backend):
     assert abs(sum(losses) / len(losses) - trained) < 0.02 * trained, (losses, trained)
 
 
+@pytest.mark.slow
 def test_native_flags_and_backend_mismatch_fail_in_one_line(capsys, tiny_data, stopped, tmp_path):
     from training.train import main
 
@@ -265,6 +271,7 @@ def test_native_flags_and_backend_mismatch_fail_in_one_line(capsys, tiny_data, s
         assert err.startswith("error: ") and needle in err and "\n" not in err, err
 
 
+@pytest.mark.slow
 def test_compare_report_from_the_runs(runs, tiny_data, init_model, tmp_path):
     """The comparison command's report, written from this module's real runs (the command
     itself only adds launching them: `python -m benchmarks.compare --steps 6 --model tiny`)."""
@@ -294,6 +301,7 @@ def test_compare_report_from_the_runs(runs, tiny_data, init_model, tmp_path):
         assert (tmp_path / png).stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_a_run_from_step_0_does_not_mix_in_an_earlier_runs_metrics(tiny_data, init_model, tmp_path):
     """A run from step 0 starts a new metrics.jsonl (only a resumed run adds to one): a
     comparison row holds its own run only, not every run left in runs/compare."""

@@ -18,6 +18,8 @@ from training.checkpoints import layout as ckpt
 from training.checkpoints.export import export, export_report, main
 from training.checkpoints.weights import load_model
 
+pytestmark = pytest.mark.slow  # every test exports the checkpoints of real runs (resumed_runs)
+
 COMMON = [
     "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--log-every", "1",
     "--eval-every", "0", "--eval-samples", "8", "--lr", "3e-3", "--warmup", "2",

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import launch, read_metrics
+
+pytestmark = pytest.mark.slow  # real 2-rank runs
 
 
 def test_fp16_loss_scaling_skips_overflows_and_resumes(tiny_data, tmp_path):

@@ -1,9 +1,11 @@
-"""Memory planning: `python -m training.memory_plan` against what real engines hold."""
+"""Memory planning: `python -m training.memory_plan` (training/memory/plan.py) against what real
+engines hold."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import launch
 
 from training.memory import plan as memory_plan
@@ -13,6 +15,7 @@ STAGES = ["zero0", "zero1", "zero2", "zero3"]
 CONFIGS = ["zero0", "zero1", "zero2", "fp32", "zero2_offload", "zero3", "zero3_offload"]
 
 
+@pytest.mark.slow
 def test_plan_matches_measured_model_states(tiny_data, tmp_path):
     """ZeRO 0-3 on 2 ranks, `small` (13M parameters here): the planned parameters + gradients +
     optimizer states + reduce buckets are within 25% of the bytes each rank really holds

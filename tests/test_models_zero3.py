@@ -1,7 +1,9 @@
-"""ZeRO-3 construction on 2 real ranks (training/engines/construct.py: the engine builds the model inside
-DeepSpeed's construction context): each rank holds only its partition, from a preset and from a Llama folder.
+"""ZeRO-3 construction on 2 real ranks (training/engines/construct.py: the engine builds the
+model inside DeepSpeed's construction context): each rank holds only its partition, from a preset
+and from a Llama folder.
 
-Run by pytest, which launches this same file under torch.distributed.run; the worker is the __main__ part.
+Run by pytest, which launches this same file under torch.distributed.run; the worker is the
+__main__ part.
 """
 
 import math
@@ -10,7 +12,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # a real 2-rank process group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZERO3 = {

@@ -18,9 +18,12 @@ from conftest import PY, REPO, TINY_RUN, free_port, launch, read_metrics
 from launch.two_hosts import TwoHosts, unavailable
 
 WHY = unavailable()
-pytestmark = pytest.mark.skipif(
-    WHY is not None, reason=f"two hosts on one machine: {WHY} (see README, Many hosts)"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        WHY is not None, reason=f"two hosts on one machine: {WHY} (see README, Many hosts)"
+    ),
+]
 
 FLAGS = [
     *TINY_RUN,

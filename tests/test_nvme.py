@@ -30,6 +30,7 @@ def _aio_missing() -> str | None:
     return "DeepSpeed's async_io op cannot be built here (apt-get install libaio-dev)"
 
 
+@pytest.mark.slow
 def test_nvme_offload_trains_like_no_offload(tiny_data, tmp_path):
     if why := _aio_missing():
         pytest.skip(why)

@@ -43,6 +43,7 @@ def close(a, b, rel):
     return abs(a - b) <= rel * abs(b)
 
 
+@pytest.mark.slow
 def test_pp2_follows_zero0_on_one_rank(runs):
     pp, ref = read_metrics(runs["pp2"]), read_metrics(runs["zero0"])
     assert [r["step"] for r in pp] == [1, 2, 3, 4, 5, 6]
@@ -70,6 +71,7 @@ def test_pp2_follows_zero0_on_one_rank(runs):
     )
 
 
+@pytest.mark.slow
 def test_pp2_resume_is_exact(runs, tiny_data, tmp_path):
     split = tmp_path / "split"
     args = [*PIPE, "--save-every", "0", "--eval-every", "3"]
@@ -92,6 +94,7 @@ def test_pp2_resume_is_exact(runs, tiny_data, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_pp2_x_dp2_on_four_ranks_trains_matches_and_exports(runs, tiny_data, tmp_path):
     """2 stages x 2 data-parallel replicas (4 micro-batches of 2 split over the replicas, so the
     same 8 sequences per step), partitioned by blocks, with activation checkpointing."""
@@ -149,6 +152,7 @@ def test_pp2_x_dp2_on_four_ranks_trains_matches_and_exports(runs, tiny_data, tmp
     assert close(sum(losses) / len(losses), ran, 1e-3), (losses, ran)
 
 
+@pytest.mark.slow
 def test_fp32_pipeline_exports_from_layer_files_and_imports_exactly(tiny_data, tmp_path):
     """fp32 without ZeRO keeps its weights in the per-layer files only: export reads them, and
     the export is exact (fp32 end to end). A bf16 ZeRO-1 pipeline run started from that folder

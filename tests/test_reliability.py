@@ -138,6 +138,7 @@ def reference(tiny_data, tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------------------------ dead ranks
+@pytest.mark.slow
 def test_kill_9_of_one_rank_stops_the_other_and_rerun_is_exact(tiny_data, reference, tmp_path):
     out = tmp_path / "killed"
     run = args(tiny_data, out, "--dist-timeout", "120")
@@ -158,6 +159,7 @@ def test_kill_9_of_one_rank_stops_the_other_and_rerun_is_exact(tiny_data, refere
     assert final_loss(out) == final_loss(reference)
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_named_after_the_timeout(tiny_data, tmp_path):
     """SIGSTOP: the rank is alive but answers nothing. A peer waiting in a gloo collective gives
     up after --dist-timeout; one waiting in the shared-memory all-reduce (which cannot time out)
@@ -173,6 +175,7 @@ def test_a_frozen_rank_is_named_after_the_timeout(tiny_data, tmp_path):
     assert 5 < time.time() - frozen_at < 90
 
 
+@pytest.mark.slow
 def test_the_watchdog_names_a_rank_frozen_before_a_shared_memory_all_reduce(tmp_path):
     """DeepSpeed's shared-memory all-reduce spins until every rank arrives: rank 0 waits in it
     for a rank that froze. The watchdog names rank 1 after its grace and roll call, well
@@ -199,6 +202,7 @@ def test_the_watchdog_names_a_rank_frozen_before_a_shared_memory_all_reduce(tmp_
 
 
 # ------------------------------------------------------------------------------ preemption
+@pytest.mark.slow
 def test_sigterm_to_a_rank_then_to_the_launcher_saves_and_resumes_exactly(
     tiny_data, reference, tmp_path
 ):
@@ -259,6 +263,7 @@ def test_stop_signals_in_one_process():
 NAN_TRAIN = "tests/scripts/nan_train.py"  # the trainer with NaN input embeddings on some steps
 
 
+@pytest.mark.slow
 def test_nan_steps_are_skipped_counted_and_stop_the_run(tiny_data, tmp_path):
     out = tmp_path / "nan"
     env = {"ZEROSTACK_TEST_NAN_STEPS": "3,5,6,7"}  # on rank 1 only: all ranks must skip
@@ -324,6 +329,7 @@ def _same(a: dict, b: dict) -> bool:
 FP32_ZERO0 = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 0}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["zero0", "zero2", "zero3", "fp32_zero0", "ddp"])
 def test_a_skipped_step_leaves_weights_and_optimizer_untouched(tiny_data, tmp_path, config):
     if config == "fp32_zero0":  # a plain torch optimizer under DeepSpeed, no ZeRO wrapper
@@ -367,6 +373,7 @@ def _snapshot(folder: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_corrupted_byte_is_found_on_load(tiny_data, reference, tmp_path):
     from training.checkpoints import integrity
 
@@ -403,6 +410,7 @@ def test_a_corrupted_byte_is_found_on_load(tiny_data, reference, tmp_path):
     assert final_loss(out) == final_loss(reference)
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tiny_data, reference, tmp_path):
     """A file-size limit makes every checkpoint write fail the way a full disk does."""
     import resource
@@ -440,6 +448,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tiny_data, refere
 
 
 # ------------------------------------------------------------------------------ restarts
+@pytest.mark.slow
 def test_local_launcher_restarts_after_a_dead_rank_and_passes_sigterm_on(tiny_data, tmp_path):
     """launch/local.sh (the deepspeed launcher) with MAX_RESTARTS: a rank is killed, the
     launcher stops the job, the script starts it again and it resumes. Then SIGTERM to the
@@ -465,6 +474,7 @@ def test_local_launcher_restarts_after_a_dead_rank_and_passes_sigterm_on(tiny_da
     assert resumed < stopped < 200
 
 
+@pytest.mark.slow
 def test_restart_loop_stops_on_bad_input(tiny_data, tmp_path):
     env = {"MAX_RESTARTS": "3", "VENV": str(Path(PY).parent.parent)}
     p = subprocess.run(

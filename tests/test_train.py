@@ -43,6 +43,7 @@ def config_runs(tiny_data, tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_config_trains_and_loss_falls(config_runs, name):
     out = config_runs[name]
@@ -58,6 +59,7 @@ def test_every_config_trains_and_loss_falls(config_runs, name):
     assert list((out / "tensorboard").iterdir())
 
 
+@pytest.mark.slow
 def test_zero_stages_follow_the_same_trajectory(config_runs):
     """ZeRO 0-3 in bf16 from the same seed and data. ZeRO-1/2/3 keep fp32 master weights and
     fp32 gradient reduction and agree tightly; ZeRO-0 in bf16 reduces gradients in bf16
@@ -78,6 +80,7 @@ def test_zero_stages_follow_the_same_trajectory(config_runs):
         assert abs(a - b) <= 2e-2 * abs(b)
 
 
+@pytest.mark.slow
 def test_exact_resume_is_bitwise(tiny_data, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     launch(train_args(tiny_data, straight, "--steps", "6", "--save-every", "-1"))
@@ -96,6 +99,7 @@ def test_exact_resume_is_bitwise(tiny_data, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
     out = tmp_path / "killed"
     cmd = [
@@ -140,6 +144,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
         assert set(listing["sha256"]) == set(listing["files"]) and len(listing["files"]) >= 5
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_a_bigger_micro_batch(tiny_data, tmp_path):
     """micro 2 x accum 4 and micro 8 x accum 1 see the same 16 samples per step (the loader
     hands out global positions in order), so in fp32 the updates agree to float rounding."""
@@ -179,6 +184,7 @@ def test_gradient_accumulation_matches_a_bigger_micro_batch(tiny_data, tmp_path)
         assert abs(x["grad_norm"] - y["grad_norm"]) < 1e-3 * abs(y["grad_norm"])
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_runs_the_entry_point(tiny_data, tmp_path):
     """The quickstart's way in: `deepspeed --num_gpus 2 training/train.py` (passes --local_rank)."""
     out = tmp_path / "dslauncher"
@@ -204,8 +210,9 @@ def test_deepspeed_launcher_runs_the_entry_point(tiny_data, tmp_path):
 @pytest.mark.parametrize("mode", ["keep", "default"])
 def test_cpu_ranks_keep_freed_memory(mode):
     """After keep_freed_memory() a block as large as ZeRO's CPU reduce bucket may be
-    (config.CPU_BUCKET_BYTES) comes from the heap (reused step after step); with glibc's
-    defaults it is a fresh mmap, unmapped when freed, faulted in again next time.
+    (CPU_BUCKET_BYTES, training/settings/ds_config.py) comes from the heap (reused step after
+    step); with glibc's defaults it is a fresh mmap, unmapped when freed, faulted in again next
+    time.
     Read from glibc's own counters (mallinfo2) in a subprocess: mallopt is process-wide."""
     script = (
         "import ctypes, torch\n"

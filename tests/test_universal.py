@@ -1,13 +1,13 @@
 """Resume on another world size or ZeRO stage: real runs, compared with an uninterrupted one.
 
-The runs (conftest.py, `resumed_runs`): one uninterrupted 2-rank ZeRO-2 run saves after every step. Runs resumed from its step-3
-checkpoint on 1 rank (ZeRO-2 and ZeRO-1) and on 2 ranks (ZeRO-3) take step 4 and save; a 1-rank
-ZeRO-3 run resumed from the 2-rank ZeRO-3 one takes step 5. The global batch is the same
-everywhere (2 ranks x micro 2 = 1 rank x micro 2 x accum 2), so the loader serves the same
-samples and each resumed step must match the uninterrupted run's: its loss, and after it the
-fp32 weights, both Adam moments and the step count. On CPU they agree bit for bit; the bounds
-below allow bf16 reduction-order noise and still catch a lost moment (~40% off after a step) or
-weight decay applied to the norms (~3e-4).
+The runs (conftest.py, `resumed_runs`): one uninterrupted 2-rank ZeRO-2 run saves after every
+step. Runs resumed from its step-3 checkpoint on 1 rank (ZeRO-2 and ZeRO-1) and on 2 ranks
+(ZeRO-3) take step 4 and save; a 1-rank ZeRO-3 run resumed from the 2-rank ZeRO-3 one takes step
+5. The global batch is the same everywhere (2 ranks x micro 2 = 1 rank x micro 2 x accum 2), so
+the loader serves the same samples and each resumed step must match the uninterrupted run's: its
+loss, and after it the fp32 weights, both Adam moments and the step count. On CPU they agree bit
+for bit; the bounds below allow bf16 reduction-order noise and still catch a lost moment (~40%
+off after a step) or weight decay applied to the norms (~3e-4).
 
 Pipeline checkpoints (`pipeline_runs`, below): a 2-rank pp=2 run resumes on 1 rank without
 pipelining and back, across the renaming of pipeline parameters to the model's."""
@@ -31,6 +31,8 @@ from training.checkpoints import universal
 from training.checkpoints.universal import Topology, ensure, model_name, plan
 from training.checkpoints.zero_files import ZeroFiles
 from training.errors import CheckpointError
+
+pytestmark = pytest.mark.slow  # every test reads real multi-rank runs (resumed_runs, pipeline_runs)
 
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 

@@ -4,7 +4,8 @@
 
 ENGINE is ddp, fsdp or a ds_configs name (zero0 ... zero3). For each, in turn: the trainer's own
 config rule, model factory and engine, 2 micro-batches per step; `engine.state_bytes()` after
-the first micro-batch of the second step, where the training loop measures (training/loop/loop.py). Rank 0 writes {engine: [rank 0, rank 1, ...]}.
+the first micro-batch of the second step, where the training loop measures
+(training/loop/loop.py). Rank 0 writes {engine: [rank 0, rank 1, ...]}.
 Building the engines in one process saves the ~10 s start-up of a run per engine.
 """
 
@@ -54,7 +55,7 @@ def measure(name: str, data: str, model_dir: str, dist) -> dict:
     x = torch.randint(0, manifest.vocab_size, (1, 32))
     for step in range(2):
         engine.forward_backward(x, x, boundary=False)
-        if step == 1:  # where the training loop measures: see training/loop.py
+        if step == 1:  # where the training loop measures: see training/loop/loop.py
             out = engine.state_bytes()
         engine.forward_backward(x, x, boundary=True)
         engine.step()

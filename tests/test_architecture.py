@@ -1,0 +1,276 @@
+"""The layering of the code, read from the source with `ast` (nothing is imported): no import
+cycle between modules, models/ free of training/ and DeepSpeed, training/errors.py a leaf, and
+no function under training/ longer than a screen (docs/architecture.md).
+
+Every import counts: at module level and inside functions, `import x` and `from x import y`.
+`from a.b import c` imports the module `a.b.c` if there is one, else `a.b`; a name resolves to its
+longest prefix that is one of our modules, and a package is its `__init__.py`."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Container, Iterable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("training", "models", "data", "launch")
+MAX_FUNCTION_LINES = 80
+
+
+# ------------------------------------------------------------------------------ the import graph
+def find_modules(root: Path, packages: Iterable[str] = PACKAGES) -> dict[str, Path]:
+    """{dotted module name: its file} for every .py under the packages (a package is its
+    __init__.py)."""
+    out = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, int]]:
+    """(dotted name, line) of every import anywhere in `tree` (module level, functions, classes).
+    `from a import b` gives `a.b`: resolving it to our longest module prefix makes it the module
+    a.b if there is one, else a. Relative imports are made absolute."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's package, one level up per extra dot
+                parts = package.split(".") if package else []
+                base = parts[: len(parts) - (node.level - 1)]
+                base += node.module.split(".") if node.module else []
+                source = ".".join(base)
+            else:
+                source = node.module
+            for alias in node.names:
+                name = f"{source}.{alias.name}" if source else alias.name
+                out.append((name, node.lineno))
+    return out
+
+
+def resolve(name: str, modules: Container[str]) -> str | None:
+    """The longest prefix of `name` that is one of `modules` (None: not one of ours)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:n])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def module_imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ours that `module` imports (`from a.b import c`: a.b.c if that is a module,
+    else a.b)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    targets = {
+        resolve(name, modules) for name, _ in imported_names(tree, module, _is_package(path))
+    }
+    return targets - {None, module}
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def import_graph(root: Path = REPO, packages: Iterable[str] = PACKAGES) -> dict[str, set[str]]:
+    modules = find_modules(root, packages)
+    return {m: module_imports(m, p, modules) for m, p in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle [a, b, ..., a] through each strongly connected component that has one
+    (Tarjan's algorithm, iterative), in a stable order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    nodes = sorted(set(graph) | {t for ts in graph.values() for t in ts})
+    for start in nodes:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph.get(node, ()):
+                    components.append(sorted(component))
+    return [_cycle_in(sorted(c), graph) for c in sorted(components)]
+
+
+def _cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """The shortest path from the component's first module back to itself, inside it."""
+    first, members = component[0], set(component)
+    came_from: dict[str, str] = {}
+    frontier = [first]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph.get(node, ())):
+                if child not in members:
+                    continue
+                if child == first:  # walk back from `node` to `first`
+                    path = [node]
+                    while path[-1] != first:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), first]
+                if child not in came_from:
+                    came_from[child] = node
+                    nxt.append(child)
+        frontier = nxt
+    raise AssertionError(f"no cycle in component {component}")  # cannot happen
+
+
+# ------------------------------------------------------------------------------ the checks
+def test_the_cycle_finder_finds_a_planted_cycle():
+    acyclic = {"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"a"}}
+    assert find_cycles(acyclic) == []
+    planted = {**acyclic, "c": {"d"}}  # a -> c -> d -> a, and a -> b -> c -> d -> a
+    assert find_cycles(planted) == [["a", "c", "d", "a"]]
+    two = {"x": {"y"}, "y": {"x"}, "p": {"q"}, "q": {"r"}, "r": {"p"}, "s": {"s"}}
+    assert find_cycles(two) == [["p", "q", "r", "p"], ["s", "s"], ["x", "y", "x"]]
+
+
+def test_imports_are_read_as_python_resolves_them(tmp_path):
+    """A tiny package tree: module- and function-level imports, `from a.b import c` as a.b.c when
+    that is a module and as a.b when c is a name in it, relative imports, packages as their
+    __init__.py; and a cycle planted through a function-level import is found."""
+    files = {
+        "pkg/__init__.py": "from pkg.sub import helper\n",
+        "pkg/sub/__init__.py": "def helper():\n    pass\n",
+        "pkg/sub/leaf.py": "import os\nfrom pkg.sub import helper\n",
+        "pkg/a.py": "from pkg.sub import leaf\nfrom . import b\n",
+        "pkg/b.py": "def f():\n    from .sub.leaf import x\n    import pkg.a.nothing\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, ["pkg"])
+    assert graph == {
+        "pkg": {"pkg.sub"},
+        "pkg.sub": set(),
+        "pkg.sub.leaf": {"pkg.sub"},
+        "pkg.a": {"pkg.sub.leaf", "pkg.b"},
+        "pkg.b": {"pkg.sub.leaf", "pkg.a"},
+    }
+    assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert {"training.errors", "training.train", "models", "data", "launch.doctor"} <= set(graph)
+    assert sum(map(len, graph.values())) > 100  # the walk really read the imports
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+FORBIDDEN_IN_MODELS = ("training", "deepspeed", "transformers.integrations.deepspeed")
+
+
+def _forbidden(name: str) -> bool:
+    return name.split(".")[-1] == "HfDeepSpeedConfig" or any(
+        name == f or name.startswith(f + ".") for f in FORBIDDEN_IN_MODELS
+    )
+
+
+def test_models_import_neither_training_nor_deepspeed():
+    """models/ is the model alone: usable with stock transformers, without DeepSpeed installed."""
+    found = []
+    modules = {m: p for m, p in find_modules(REPO).items() if m.split(".")[0] == "models"}
+    assert "models.llama" in modules
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names = imported_names(tree, module, _is_package(path))
+        names += _literal_dynamic_imports(tree)
+        rel = path.relative_to(REPO)
+        found += [f"{rel}:{line}: {name}" for name, line in names if name and _forbidden(name)]
+    assert not found, "models/ imports training or DeepSpeed:\n" + "\n".join(sorted(set(found)))
+
+
+def test_the_models_check_knows_what_is_forbidden():
+    for name in ("training", "training.errors", "deepspeed", "deepspeed.zero.Init"):
+        assert _forbidden(name), name
+    assert _forbidden("transformers.integrations.deepspeed.HfDeepSpeedConfig")
+    assert _forbidden("transformers.integrations.HfDeepSpeedConfig")
+    for name in ("torch", "transformers", "transformers.integrations.sdpa", "deepspeedish"):
+        assert not _forbidden(name), name
+    tree = ast.parse("def f():\n    import importlib\n    importlib.import_module('deepspeed')\n")
+    assert _literal_dynamic_imports(tree) == [("deepspeed", 3)]
+
+
+def _literal_dynamic_imports(tree: ast.AST) -> list[tuple[str, int]]:
+    """importlib.import_module("x") and __import__("x") with a literal name."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                out.append((node.args[0].value, node.lineno))
+    return out
+
+
+def test_errors_is_a_leaf():
+    path = REPO / "training" / "errors.py"
+    names = imported_names(ast.parse(path.read_text()), "training.errors", False)
+    ours = sorted({n for n, _ in names if n and n.split(".")[0] in PACKAGES})
+    assert not ours, f"training/errors.py imports {ours}"
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """'path:line name (n lines)' of every function or method under `root` longer than `limit`
+    lines, def line to last line (nested ones too)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    where = f"{path.relative_to(root.parent)}:{node.lineno}"
+                    found.append(f"{where} {node.name} ({n} lines)")
+    return found
+
+
+def test_no_function_in_training_is_longer_than_80_lines():
+    found = long_functions(REPO / "training")
+    assert not found, f"longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    (tmp_path / "long.py").write_text(
+        f"def ok():\n{body}\nclass C:\n    def too_long(self):\n{body}        pass\n"
+    )
+    name = tmp_path.name
+    line, n = MAX_FUNCTION_LINES + 3, MAX_FUNCTION_LINES + 1
+    assert long_functions(tmp_path) == [f"{name}/long.py:{line} too_long ({n} lines)"]
