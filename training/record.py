@@ -32,6 +32,7 @@ def run_record(
     shm: bool,
     accelerate_state: dict | None,
     peak_flops: float,
+    resume=None,
 ) -> dict:
     """What resolved_config.json holds. `facts`: the built model's n_params, flops_per_token and
     model_config."""
@@ -53,6 +54,12 @@ def run_record(
         "pipeline": layout
         and {"stages": len(layout), "data_parallel": engine.dp_world, "layers": layout},
         "ranks": ranks,
+        "resume": resume
+        and {
+            "checkpoint": str(resume.root / resume.tag),
+            "universal": resume.universal,
+            "why": resume.why,
+        },
         **({"accelerate": accelerate_state} if accelerate_state else {}),
         "backend": dist.backend,
         "shm_all_reduce": shm,

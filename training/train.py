@@ -86,6 +86,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
         ranks=describe_ranks(dist, loader),
         shm=started.shm,
         accelerate_state=started.accelerate,
+        resume=resume,
         peak_flops=peak_flops_per_rank(
             dist.device, DTYPES[prepared.precision], settings.peak_tflops
         ),
