@@ -35,6 +35,7 @@ class Prepared:
     precision: str
     manifest: Manifest
     model_config: object  # the model's config (ours or any HF one), not the model
+    topology: Topology  # this run's: what a checkpoint's files depend on
     resume: ResumePlan | None
 
     @property
@@ -74,15 +75,19 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     precision = settings.precision or ds_config.precision(cfg)
     check_engine(settings, cfg, cfg_path, precision)
     check_model(settings, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
-    now = topology(settings.backend, cfg, world)
-    log = (lambda m: print(m, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    now = Topology(
+        settings.backend, world, ds_config.zero_stage(cfg), ds_config.pipeline_stages(cfg)
+    )
+    log = rank0_printer(rank)
     resume = plan_resume(settings.resume, Path(settings.out), now, settings.universal, log)
-    return Prepared(cfg, cfg_path, precision, manifest, model_cfg, resume)
+    return Prepared(cfg, cfg_path, precision, manifest, model_cfg, now, resume)
 
 
-def topology(backend: str, cfg: dict, world: int) -> Topology:
-    """What a checkpoint's files depend on, for this run."""
-    return Topology(backend, world, ds_config.zero_stage(cfg), ds_config.pipeline_stages(cfg))
+def rank0_printer(rank: int):
+    """print(line) to stderr on rank 0, nothing elsewhere: rank 0 speaks for all."""
+    if rank != 0:
+        return lambda line: None
+    return lambda line: print(line, file=sys.stderr, flush=True)
 
 
 def check_flags(settings: Settings) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from training.checkpoints import universal
 from training.checkpoints.resume import ResumePlan, verify_resume
 from training.errors import BAD_INPUT, CheckpointError
-from training.preflight import Prepared, topology
+from training.preflight import Prepared, rank0_printer
 from training.runtime import cluster, distributed
 from training.runtime.distributed import DistInfo
 from training.runtime.shm import shared_memory_all_reduce
@@ -39,10 +39,8 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     distributed.barrier()
     resume = prepared.resume
     if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
-        now = topology(settings.backend, prepared.ds_config, dist.world)
-        resume = verify_resume(
-            resume, settings.resume == "auto", now, settings.universal, log=main_log(dist)
-        )
+        auto, log = settings.resume == "auto", rank0_printer(dist.rank)
+        resume = verify_resume(resume, auto, prepared.topology, settings.universal, log=log)
     accelerate = cluster.align_accelerate_state(dist.backend)
     # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
     # CPU host its all-reduces then go through shared memory.
@@ -63,8 +61,3 @@ def universal_copy(plan: ResumePlan, dist: DistInfo) -> None:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(BAD_INPUT)
     distributed.barrier()
-
-
-def main_log(dist: DistInfo):
-    """A log line printed by rank 0 only."""
-    return (lambda m: print(m, file=sys.stderr, flush=True)) if dist.is_main else (lambda m: None)

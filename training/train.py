@@ -73,12 +73,12 @@ def train(settings: Settings, prepared: Prepared) -> int:
     started = start(settings, prepared, run_dir)
     dist = started.dist
     torch.manual_seed(settings.seed)  # same initial weights on every rank, before the model exists
-    engine, facts = build(settings, prepared, started)
+    engine, attention, facts = build(settings, prepared, started)
     loader, val_ds = make_loaders(settings, prepared, engine)
     resume = started.resume
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
     record = run_record(
-        flags={**settings.as_flags(), "attention": facts.pop("attention")},
+        flags={**settings.as_flags(), "attention": attention},
         prepared=prepared,
         facts=facts,
         engine=engine,
@@ -116,9 +116,10 @@ def train(settings: Settings, prepared: Prepared) -> int:
     return 0
 
 
-def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Engine, dict]:
-    """The model, built as its engine will hold it, wrapped in that engine. Returns the engine
-    and the facts the record keeps (kernel, parameter count, FLOPs per token, config)."""
+def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Engine, str, dict]:
+    """The model, built as its engine will hold it, wrapped in that engine. Returns the engine,
+    the attention kernel picked, and what the record keeps of the model (parameter count, FLOPs
+    per token, config)."""
     dist = started.dist
     model = build_for_engine(
         settings.model,
@@ -134,7 +135,6 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         model.compile()  # in place: parameter names and checkpoints are unchanged
     n_params = sum(getattr(w, "ds_numel", w.numel()) for w in model.parameters())
     facts = {
-        "attention": attention,
         "n_params": n_params,
         "flops_per_token": flops_per_token(model.config, settings.seq_len, n_params=n_params),
         "model_config": model.config,
@@ -157,7 +157,7 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
     if started.resume is None and prepared.precision != "fp32" and Path(settings.model).is_dir():
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
         engine.set_master_weights(folder_weights(settings.model))
-    return engine, facts
+    return engine, attention, facts
 
 
 def make_loaders(

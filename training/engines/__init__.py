@@ -18,6 +18,7 @@ from training.engines.ds import DeepSpeedEngine
 from training.engines.fsdp import FSDPEngine
 from training.engines.fsdp import load_full_state_dict as fsdp_full_state_dict
 from training.engines.pipeline import PipelineEngine
+from training.settings.ds_config import pipeline_stages
 
 __all__ = ["Engine", "OptimizerConfig", "StepResult", "build_engine", "load_full_state_dict"]
 
@@ -40,7 +41,7 @@ def build_engine(
     take precision as given and read accumulation and clipping from the same keys DeepSpeed
     would. Each engine gets its own switches only."""
     if backend == "deepspeed":
-        if ds_config.get("pipeline", {}).get("stages", 1) > 1:
+        if pipeline_stages(ds_config) > 1:
             return PipelineEngine(
                 model=model,
                 ds_config=ds_config,

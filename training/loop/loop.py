@@ -85,16 +85,10 @@ def run(
         lr = config.schedule.at(state.step)
         engine.set_lr(lr)
         # Model states are counted once, in the run's second step (see log_state_bytes).
-        count_states = state.step == max(first_step, 1)
-        step_loss = _micro_batches(
-            engine,
-            loader,
-            config.grad_accum,
-            device,
-            logger if count_states else None,
-            state.step,
-            timer,
-        )
+        count_states = None
+        if state.step == max(first_step, 1):
+            count_states = lambda: log_state_bytes(engine, logger, state.step + 1)  # noqa: E731
+        step_loss = _micro_batches(engine, loader, config.grad_accum, device, count_states, timer)
         result = engine.step()
         state.step += 1
         state.tokens += config.tokens_per_step
@@ -151,9 +145,9 @@ class LossMeter:
         return mean
 
 
-def _micro_batches(engine, loader, grad_accum, device, count_to, step, timer) -> torch.Tensor:
-    """One step's micro-batches through the engine; returns their summed loss. With a logger in
-    `count_to`, the model states are counted after the first micro-batch."""
+def _micro_batches(engine, loader, grad_accum, device, after_first, timer) -> torch.Tensor:
+    """One step's micro-batches through the engine; returns their summed loss. `after_first`,
+    when given, runs after the first micro-batch, its time kept out of tokens/s."""
     step_loss = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(grad_accum):
         x, y = loader.next_batch()
@@ -163,9 +157,9 @@ def _micro_batches(engine, loader, grad_accum, device, count_to, step, timer) ->
             boundary=micro == grad_accum - 1,
         )
         step_loss += loss.float()
-        if micro == 0 and count_to is not None:
+        if micro == 0 and after_first is not None:
             with timer.paused():
-                log_state_bytes(engine, count_to, step + 1)
+                after_first()
     return step_loss
 
 
