@@ -1,6 +1,7 @@
 """zerostack data: corpora -> tokenizer -> token shards -> deterministic per-rank batches.
 
     from data import prepare, TokenDataset, BatchLoader, eval_batches, load_manifest, DataError
+    from data import load_data, open_split, Mixture    # --data FOLDER or A:0.7,B:0.3
 
 Names load lazily, so `import data.prepare` (e.g. in tokenizer worker processes) does not pull
 in torch, and `from data import TokenDataset` does not pull in transformers.
@@ -15,6 +16,10 @@ _EXPORTS = {
     "DataError": "data.manifest",
     "Manifest": "data.manifest",
     "load_manifest": "data.manifest",
+    "verify_shards": "data.manifest",
+    "load_data": "data.mixture",
+    "open_split": "data.mixture",
+    "Mixture": "data.mixture",
     "TokenDataset": "data.reader",
     "BatchLoader": "data.reader",
     "eval_batches": "data.reader",

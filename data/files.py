@@ -25,4 +25,8 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # someone else's live process
         return True
-    return True
+    try:  # a killed process whose parent died first stays a zombie until init reaps it
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): kill(0) is all we know
+    return stat.rpartition(")")[2].split()[0] != "Z"

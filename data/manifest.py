@@ -10,9 +10,12 @@ Every document is stored as its tokens followed by one EOS token.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from data.files import sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+STAMP = ".verified.json"  # what verify_shards found, so the next start hashes only what changed
 TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "val")
 _SPLIT_ALIASES = {"validation": "val", "valid": "val", "eval": "val"}
@@ -88,6 +92,24 @@ class Manifest:
         out = asdict(self)
         out.pop("data_dir")
         return out
+
+
+MIN_VAL_DOCUMENTS = 20  # below this a validation loss is a small-sample figure
+
+
+def small_val_warning(manifest: Manifest) -> str | None:
+    """One line when the validation split is too small for its loss and bits per byte to mean
+    much (a small corpus at the default 0.5%), saying which --val-fraction would fix it."""
+    val = manifest.splits.get("val", SplitInfo())
+    if val.documents >= MIN_VAL_DOCUMENTS:
+        return None
+    total = sum(s.documents for s in manifest.splits.values())
+    fraction = min(0.5, MIN_VAL_DOCUMENTS / max(total, 1))
+    return (
+        f"warning: the validation split of {manifest.data_dir} has {val.documents} of {total} "
+        f"documents ({val.tokens} tokens), so its loss and bits/byte are small-sample figures; "
+        f"prepare with --val-fraction {fraction:.2g} for about {MIN_VAL_DOCUMENTS}"
+    )
 
 
 def dtype_for_vocab(vocab_size: int, dtype: str = "auto") -> str:
@@ -182,3 +204,82 @@ def _check_file(path: Path, size: int | None, sha256: str | None) -> None:
         )
     if sha256 is not None and sha256_file(path) != sha256:
         raise DataError(f"{path}: sha256 does not match the manifest; the file is corrupted")
+
+
+def verify_shards(data_dir: str | os.PathLike, log=None) -> Manifest:
+    """load_manifest's checks plus every shard's and index's sha256, hashed in parallel threads
+    and only once per file: a stamp (DIR/.verified.json, or a per-user cache file when DIR is
+    read-only) keeps each verified file's size, mtime and ctime, and a file whose stat still
+    matches is not read again. Raises DataError naming the first damaged file."""
+    manifest = load_manifest(data_dir)
+    d = Path(data_dir)
+    expected = {
+        name: sha
+        for split in manifest.splits.values()
+        for sh in split.shards
+        for name, sha in ((sh.file, sh.sha256), (sh.index_file, sh.index_sha256))
+    }
+    stamp = _stamp_path(d)
+    with _locked(stamp):  # ranks of one host starting together hash once, not once each
+        seen = _read_stamp(stamp)
+        todo = [f for f in expected if seen.get(f) != _fingerprint(d / f, expected[f])]
+        gb = sum((d / f).stat().st_size for f in todo) / 1e9
+        if gb >= 1 and log is not None:  # say why the start takes a while; small data is instant
+            log(f"verifying the sha256 of {len(todo)} data files in {d} ({gb:.1f} GB, once)")
+        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+            got = dict(zip(todo, pool.map(lambda f: sha256_file(d / f), todo)))
+        bad = next((f for f in todo if got[f] != expected[f]), None)
+        if bad is not None:
+            raise DataError(
+                f"{d / bad}: sha256 does not match {d / MANIFEST}; the file is damaged, "
+                "prepare the data again"
+            )
+        if sha256_dir(manifest.tokenizer_dir) != manifest.tokenizer_sha256:
+            raise DataError(f"{manifest.tokenizer_dir}: checksum does not match {d / MANIFEST}")
+        if todo:
+            _write_stamp(stamp, {f: _fingerprint(d / f, sha) for f, sha in expected.items()})
+    return manifest
+
+
+def _fingerprint(path: Path, sha256: str) -> list:
+    # ctime changes on every write and cannot be set back by a user, unlike mtime.
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha256]
+
+
+def _stamp_path(data_dir: Path) -> Path:
+    if os.access(data_dir, os.W_OK):
+        return data_dir / STAMP
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zerostack"
+    key = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
+    return cache / "verified" / f"{key}.json"
+
+
+@contextlib.contextmanager
+def _locked(stamp: Path):
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        f = open(stamp.with_name(stamp.name + ".lock"), "a")
+    except OSError:  # nowhere to keep a lock: verify without one
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _read_stamp(stamp: Path) -> dict:
+    try:
+        obj = json.loads(stamp.read_text())
+        return obj if isinstance(obj, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_stamp(stamp: Path, obj: dict) -> None:
+    tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, stamp)
+    except OSError:  # a read-only cache only costs a re-hash next time
+        tmp.unlink(missing_ok=True)

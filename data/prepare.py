@@ -30,6 +30,7 @@ from data.manifest import (
     Manifest,
     load_manifest,
     sha256_dir,
+    small_val_warning,
     write_manifest,
 )
 from data.shards import unit_hash, write_splits
@@ -146,12 +147,9 @@ def prepare(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if val_fraction > 0 and splits["val"].documents == 0:
-        _log(
-            progress,
-            f"warning: the validation split is empty ({splits['train'].documents} "
-            "documents in all); raise --val-fraction for one",
-        )
+    manifest.data_dir = out
+    if val_fraction > 0 and (warning := small_val_warning(manifest)):
+        print(warning, file=sys.stderr, flush=True)  # even with --quiet: it changes the figures
     for name, s in splits.items():
         _log(
             progress,

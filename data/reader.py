@@ -70,6 +70,10 @@ class TokenDataset:
             start = stop
         return np.concatenate(parts).astype(np.int64)
 
+    def order(self, seed: int) -> EpochOrder:
+        """The training order of this split's samples for `seed` (see EpochOrder)."""
+        return EpochOrder(len(self), (seed,))
+
     def document(self, j: int) -> np.ndarray:
         """The token ids of document j of this split (its EOS excluded), for inspection."""
         d = self.manifest.data_dir
@@ -80,6 +84,31 @@ class TokenDataset:
                 return shard[offsets[j] : offsets[j + 1] - 1].astype(np.int64)
             j -= s.documents
         raise IndexError(f"document out of range: split has {self.info.documents}")
+
+
+class EpochOrder:
+    """Global position p -> sample permutation(key, p // n)[p % n]: every one of n samples once
+    per epoch, each epoch shuffled by a numpy Generator seeded from (*key, epoch)."""
+
+    def __init__(self, n: int, key: tuple[int, ...]):
+        self.n, self.key = n, tuple(key)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:  # a batch spans at most two epochs
+                self._perms.pop(min(self._perms))
+            rng = np.random.default_rng([*self.key, epoch])
+            self._perms[epoch] = rng.permutation(self.n)
+        return self._perms[epoch]
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        epochs, within = np.divmod(np.asarray(positions, dtype=np.int64), self.n)
+        out = np.empty(len(epochs), dtype=np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self.permutation(int(e))[within[sel]]
+        return out
 
 
 def _check_rank(micro_batch: int, rank: int, world: int) -> None:
@@ -99,7 +128,8 @@ class BatchLoader:
 
     Each `next_batch` covers the next micro_batch * world global positions; rank r takes
     [start + r * micro_batch, start + (r + 1) * micro_batch). The ranks' batches are disjoint
-    and together cover every sample of an epoch once.
+    and together cover every sample of an epoch once. `dataset` is a TokenDataset or a
+    data.mixture.Mixture: each says how global positions map to its samples (`order(seed)`).
     """
 
     def __init__(
@@ -116,31 +146,18 @@ class BatchLoader:
         self.micro_batch, self.rank, self.world = micro_batch, rank, world
         self.seed = seed
         self.consumed_samples = consumed_samples
-        self._perms: dict[int, np.ndarray] = {}
+        self._order = None  # the dataset's order for this seed (TokenDataset or Mixture)
 
     @property
     def epoch(self) -> int:
         """The epoch of the next global position."""
         return self.consumed_samples // len(self.dataset)
 
-    def permutation(self, epoch: int) -> np.ndarray:
-        """The sample order of one epoch: a numpy Generator seeded from (seed, epoch)."""
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:  # a batch spans at most two epochs
-                self._perms.pop(min(self._perms))
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perms[epoch] = rng.permutation(len(self.dataset))
-        return self._perms[epoch]
-
     def sample_indices(self, positions: np.ndarray) -> np.ndarray:
         """Dataset indices of global positions."""
-        n = len(self.dataset)
-        epochs, within = np.divmod(positions, n)
-        out = np.empty(len(positions), dtype=np.int64)
-        for e in np.unique(epochs):
-            sel = epochs == e
-            out[sel] = self.permutation(int(e))[within[sel]]
-        return out
+        if self._order is None:
+            self._order = self.dataset.order(self.seed)
+        return self._order(positions)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y): LongTensors [micro_batch, seq_len], y = x shifted by one token."""
@@ -162,7 +179,7 @@ class BatchLoader:
         self.consumed_samples = int(state["consumed_samples"])
         if int(state.get("seed", self.seed)) != self.seed:
             self.seed = int(state["seed"])  # the checkpoint's order wins, so resume is exact
-            self._perms.clear()
+            self._order = None
 
 
 def eval_batches(

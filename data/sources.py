@@ -28,6 +28,11 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 # Hub names have an owner: "Skylion007/openwebtext", optionally ":config".
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+# datasets 4+ refuses loading scripts with this error; the hub keeps a parquet copy of such
+# datasets at this revision (CONFIG/SPLIT/NNNN.parquet), which needs no script.
+_SCRIPT_ERROR = "Dataset scripts are no longer supported"
+CONVERTED_REVISION = "refs/convert/parquet"
+_CONVERTED_NOTE = "partial-"  # the converter's split name when it kept only the first 5 GB
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,8 @@ class Source:
     description: str
     text_field: str = "text"
     files: tuple[Path, ...] = ()
-    approx_bytes: int | None = None  # size of the text on disk, when knowable cheaply
+    approx_bytes: int | None = None  # bytes of text (UTF-8), when knowable cheaply
+    data_files: tuple[str, ...] = ()  # a scripted dataset's converted parquet files
 
     def documents(self) -> Iterator[str]:
         """Yield every non-empty document, in a stable order."""
@@ -47,6 +53,8 @@ class Source:
             docs = map(_read_python, self.files)
         elif self.kind == "files":
             docs = (d for f in self.files for d in _read_local(f, self.text_field))
+        elif self.data_files:
+            docs = iter_hf_dataset("parquet", self.text_field, data_files=list(self.data_files))
         else:
             path, _, config = self.key.partition(":")
             docs = iter_hf_dataset(path, text_field=self.text_field, name=config or None)
@@ -126,6 +134,11 @@ def _read_python(path: Path) -> str:
 
 
 def _local(source: str, expanded: str, text_field: str) -> Source:
+    if _is_dataset_repo(Path(expanded)):
+        # A local copy of a hub dataset repository that holds its loading script: `datasets`
+        # decides what it can read, exactly as for the hub.
+        path = os.path.abspath(expanded)
+        return _dataset(path, path, None, text_field)
     if os.path.isdir(expanded):
         files = sorted(
             p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES
@@ -155,13 +168,52 @@ def _local(source: str, expanded: str, text_field: str) -> Source:
         description=f"{len(files)} local files ({', '.join(sorted({f.suffix for f in files}))})",
         text_field=text_field,
         files=tuple(files),
-        approx_bytes=sum(f.stat().st_size for f in files),
+        approx_bytes=sum(_text_bytes(f, text_field) for f in files),
     )
 
 
+def _is_dataset_repo(folder: Path) -> bool:
+    """FOLDER/FOLDER.py is how `datasets` finds a loading script; a folder that also holds text
+    files is a corpus that happens to contain code."""
+    if not (folder / f"{folder.name}.py").is_file():
+        return False
+    return not any(p.suffix in (".txt", ".jsonl") for p in folder.rglob("*"))
+
+
+def _text_bytes(path: Path, text_field: str) -> int:
+    """About how many bytes of text a file holds: its size, or for parquet (compressed) the
+    text column's uncompressed size from the footer, less the 4-byte length of each value."""
+    if path.suffix != ".parquet":
+        return path.stat().st_size
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    col = meta.schema.names.index(text_field)
+    total = 0
+    for g in range(meta.num_row_groups):
+        chunk = meta.row_group(g).column(col)
+        total += chunk.total_uncompressed_size - 4 * chunk.num_values
+    return max(total, 0)
+
+
+def _check_text(path: Path) -> None:
+    """A .txt file must be text: more than 10% of its first 8000 bytes undecodable as UTF-8 or
+    control characters means a binary file (a stray NUL in real text is kept)."""
+    with open(path, "rb") as f:
+        head = f.read(8000).decode("utf-8", errors="replace")
+    bad = sum(c == "\ufffd" or (c < " " and c not in "\t\n\r\f\v\b\x1b") for c in head)
+    if bad > 0.1 * len(head):
+        raise DataError(
+            f"{path}: this is not text ({bad} of its first {len(head)} characters are binary); "
+            "remove it from --source"
+        )
+
+
 def _check_local(path: Path, text_field: str) -> None:
-    """Cheap up-front check that a structured file has the text field, so errors come early."""
-    if path.suffix == ".parquet":
+    """Cheap up-front check that a file is text or has the text field, so errors come early."""
+    if path.suffix == ".txt":
+        _check_text(path)
+    elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
@@ -242,31 +294,114 @@ def iter_hf_dataset(
 
 def _hub(source: str, text_field: str) -> Source:
     name, _, config = source.partition(":")
-    offline_hint = (
-        "download it where there is network (e.g. the parquet files of the dataset) and pass "
-        "the local folder or file as --source"
-    )
     if not _hub_offline_mode() and not _hub_reachable():
         raise DataError(
             f"cannot reach the Hugging Face hub to load {name!r} (offline?), and no local path "
-            f"{source!r} exists; {offline_hint} (or set HF_HUB_OFFLINE=1 to use a cached copy)"
+            f"{source!r} exists; {_OFFLINE_HINT} (or set HF_HUB_OFFLINE=1 to use a cached copy)"
         )
+    return _dataset(source, name, config or None, text_field)
+
+
+def _dataset(source: str, path: str, config: str | None, text_field: str) -> Source:
+    """A `datasets` dataset (hub name or repository folder), streamed; one published with a
+    loading script is read from its converted parquet instead (see `_scripted`)."""
     try:
-        it = iter_hf_dataset(name, text_field=text_field, name=config or None)
-        first = next(it, None)
-    except DataError:
-        raise
-    except Exception as e:  # datasets/hub raise many types; all mean "cannot load it"
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"cannot load hub dataset {source!r}: {reason}; {offline_hint}") from None
-    if first is None:
-        raise DataError(f"empty corpus: hub dataset {source!r} has no documents")
+        _first_document(iter_hf_dataset(path, text_field=text_field, name=config), source)
+    except RuntimeError as e:
+        if _SCRIPT_ERROR not in str(e):
+            raise DataError(f"cannot load hub dataset {source!r}: {_first_line(e)}") from None
+        return _scripted(source, path, config, text_field)
     return Source(
         kind="hub",
         key=source,
         description=f"HF hub dataset {source} (streamed)",
         text_field=text_field,
     )
+
+
+_OFFLINE_HINT = (
+    "download it where there is network (e.g. the parquet files of the dataset) and pass "
+    "the local folder or file as --source"
+)
+
+
+def _first_document(docs: Iterator[str], source: str) -> None:
+    """Start the stream, so a dataset that cannot load fails now, in one line."""
+    try:
+        first = next(docs, None)
+    except (DataError, RuntimeError):
+        raise
+    except Exception as e:  # datasets/hub raise many types; all mean "cannot load it"
+        raise DataError(
+            f"cannot load hub dataset {source!r}: {_first_line(e)}; {_OFFLINE_HINT}"
+        ) from None
+    if first is None:
+        raise DataError(f"empty corpus: hub dataset {source!r} has no documents")
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _scripted(source: str, repo: str, config: str | None, text_field: str) -> Source:
+    """A dataset published with a loading script, which `datasets` 4+ no longer runs: read the
+    parquet copy the hub converted it into (revision refs/convert/parquet) instead. `repo` is a
+    hub name or a local copy of the repository."""
+    files, partial = converted_parquet(repo, config)
+    _first_document(iter_hf_dataset("parquet", text_field, data_files=files), source)
+    note = ", partial: the hub converted only its first 5 GB" if partial else ""
+    return Source(
+        kind="hub",
+        key=source,
+        description=f"{source} as the hub's converted parquet ({len(files)} files{note})",
+        text_field=text_field,
+        data_files=tuple(files),
+    )
+
+
+def converted_parquet(repo: str, config: str | None, split: str = "train") -> tuple[list, bool]:
+    """The parquet files of `split` of a dataset's converted revision, CONFIG/SPLIT/NNNN.parquet
+    (SPLIT is 'partial-train' when the hub converted only the first 5 GB), and whether they are
+    partial. `repo` is a hub name (listed at revision refs/convert/parquet) or a local folder.
+    Raises DataError saying what to do when there is no such copy."""
+    hub_id = "OWNER/NAME" if os.path.isdir(repo) else repo
+    todo = (
+        f"{repo} is published with a loading script, which datasets 4+ no longer runs, and "
+        f"{{why}}; download its parquet copy (hf download {hub_id} "
+        f"--repo-type dataset --revision {CONVERTED_REVISION} --local-dir DIR) and pass "
+        "--source DIR, or install datasets<4 to run the script"
+    )
+    if os.path.isdir(repo):
+        rel = sorted(p.relative_to(repo).as_posix() for p in Path(repo).rglob("*.parquet"))
+        prefix = f"{Path(repo)}/"
+    else:
+        base = f"datasets/{repo}@{CONVERTED_REVISION.replace('/', '%2F')}"
+        try:
+            from huggingface_hub import HfFileSystem
+
+            found = HfFileSystem().glob(f"{base}/*/*/*.parquet")
+        except Exception as e:  # offline, no such revision, no access: all say the same
+            raise DataError(
+                todo.format(why=f"its converted copy cannot be listed ({_first_line(e)})")
+            ) from None
+        rel = sorted(f[len(base) + 1 :] for f in found)
+        prefix = f"hf://{base}/"
+    layout = [r.split("/") for r in rel if r.count("/") == 2]
+    configs = sorted({c for c, _, _ in layout})
+    if not configs:
+        raise DataError(todo.format(why="it holds no converted copy (CONFIG/SPLIT/*.parquet)"))
+    named = [c for c in ("default", "plain_text") if c in configs]
+    if config is None and len(configs) > 1 and not named:
+        raise DataError(
+            f"{repo}: its converted parquet has several configs ({', '.join(configs)}); pass "
+            f"--source {repo}:CONFIG"
+        )
+    config = config or (named or configs)[0]
+    for name in (split, _CONVERTED_NOTE + split):
+        files = [prefix + "/".join(x) for x in layout if x[0] == config and x[1] == name]
+        if files:
+            return files, name != split
+    raise DataError(todo.format(why=f"it holds no {config}/{split}/*.parquet converted copy"))
 
 
 def _hub_offline_mode() -> bool:

@@ -171,25 +171,64 @@ def save_hf_tokenizer(tok: Any, out_dir: Path) -> None:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
-    """Load a tokenizer folder with `transformers.AutoTokenizer` (the trainer's tokenizer)."""
+    """Load a tokenizer folder, or a hub name (`org/name[@revision]`, through the HF cache, so
+    offline once cached), with `transformers.AutoTokenizer` (the trainer's tokenizer). A local
+    folder wins over a hub name spelled the same; no repository code is ever run."""
     from transformers import AutoTokenizer
 
+    if is_hub_name(path):
+        repo, _, revision = os.fspath(path).partition("@")
+        try:
+            return AutoTokenizer.from_pretrained(repo, revision=revision or None)
+        except (OSError, ValueError) as e:
+            raise DataError(
+                f"--tokenizer {path}: not a local folder, and the hub or its cache cannot give "
+                f"it ({_first_line(e)})"
+            ) from None
     path = Path(path)
     if not path.is_dir():
         raise DataError(f"no such tokenizer folder: {path}")
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"{path}: not a loadable Hugging Face tokenizer folder ({first})") from None
+        raise DataError(
+            f"{path}: not a loadable Hugging Face tokenizer folder ({_first_line(e)})"
+        ) from None
+
+
+def is_hub_name(spec: str | os.PathLike) -> bool:
+    """`org/name` or `org/name@revision` that is not a local path (as models/hub.py decides)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    spec = os.fspath(spec)
+    if spec.count("/") != 1 or spec.startswith((".", "/", "~")) or Path(spec).exists():
+        return False
+    try:
+        validate_repo_id(spec.partition("@")[0])
+    except HFValidationError:
+        return False
+    return True
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def check_hf_tokenizer(src: str | os.PathLike) -> dict[str, int | None]:
-    """Check an existing HF tokenizer folder can be reused (fast, has EOS); return its ids."""
+    """Check an existing HF tokenizer (folder or hub name) can be reused (fast, has EOS); return
+    its ids."""
+    if is_hub_name(src):
+        if not load_tokenizer(src).is_fast:
+            raise DataError(f"--tokenizer {src}: not a fast tokenizer (it has no tokenizer.json)")
+        return _checked_ids(src)
     if not Path(src).is_dir():
         raise DataError(f"no such tokenizer folder: {src}")
     if not (Path(src) / "tokenizer.json").is_file():
         raise DataError(f"{src}: no tokenizer.json there (need a fast HF tokenizer folder)")
+    return _checked_ids(src)
+
+
+def _checked_ids(src: str | os.PathLike) -> dict[str, int | None]:
     ids = special_ids(src)
     if ids["eos_id"] is None:
         raise DataError(f"{src}: tokenizer has no eos_token; documents need an EOS separator")

@@ -137,10 +137,10 @@ def check_disk(out: str, min_free_gb: float) -> tuple[str, str]:
 def check_data(data: str | None, verify: bool) -> tuple[str, str]:
     if data is None:
         return "skip", "no --data given"
-    from data import DataError, load_manifest
+    from data import DataError, load_data
 
     try:
-        m = load_manifest(data, verify=verify)
+        m = load_data(data, verify=verify)
     except DataError as e:
         return "FAIL", str(e)
     counts = ", ".join(f"{s.tokens:,} {name} tokens" for name, s in m.splits.items())

@@ -185,3 +185,14 @@ def test_a_killed_run_leaves_no_dataset(corpus, tmp_path, monkeypatch):
         prepare(str(corpus / "txt"), tmp_path / "o", **OPTS)
     assert list(tmp_path.iterdir()) == []
     assert os.listdir(tmp_path) == []
+
+
+def test_a_small_validation_split_is_flagged_even_when_quiet(out_txt, corpus, tmp_path, capsys):
+    small = prepare(
+        str(corpus / "txt"), tmp_path / "s", tokenizer=out_txt / "tokenizer", progress=False
+    )  # ~60 documents at the default 0.5%: one validation document
+    err = capsys.readouterr().err
+    assert "small-sample figures" in err and "--val-fraction 0.3" in err, err
+    assert load_manifest(small).splits["val"].documents < 20
+    prepare(str(corpus / "txt"), tmp_path / "ok", **{**OPTS, "val_fraction": 0.4})
+    assert "small-sample" not in capsys.readouterr().err

@@ -130,3 +130,63 @@ def test_hub_name_in_offline_mode_fails_through_datasets_with_one_line(tmp_path)
     assert err.startswith("error: cannot load hub dataset 'nobody/no-such-set'")
     assert "local" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def scripted_repo(root, layout):
+    """A local copy of a hub dataset repository that publishes a loading script (which datasets
+    4+ refuses), with `layout` {relative parquet path: documents} as in refs/convert/parquet."""
+    root.mkdir(parents=True)
+    (root / f"{root.name}.py").write_text("import datasets  # a loading script\n")
+    for rel, docs in layout.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"text": pa.array(docs, pa.string())}), root / rel)
+    return root
+
+
+def test_a_scripted_dataset_is_read_from_its_converted_parquet(tmp_path):
+    repo = scripted_repo(
+        tmp_path / "openwebtext",
+        {
+            "plain_text/partial-train/0000.parquet": DOCS[:2],
+            "plain_text/partial-train/0001.parquet": DOCS[2:],
+            "plain_text/validation/0000.parquet": ["not training text"],
+        },
+    )
+    with pytest.raises(RuntimeError, match="Dataset scripts are no longer supported"):
+        next(iter_hf_dataset(str(repo)))  # what datasets 4+ does with it
+    src = resolve_source(str(repo))
+    assert "converted parquet (2 files, partial" in src.description
+    assert list(src.documents()) == DOCS  # the train split only, in file order
+
+
+def test_a_scripted_dataset_without_a_converted_copy_says_what_to_do(tmp_path):
+    bare = scripted_repo(tmp_path / "owt", {})
+    with pytest.raises(DataError, match="loading script.*--revision refs/convert/parquet") as e:
+        resolve_source(str(bare))
+    assert "\n" not in str(e.value)
+    two = scripted_repo(
+        tmp_path / "two", {"en/train/0.parquet": ["a"], "fr/train/0.parquet": ["b"]}
+    )
+    with pytest.raises(DataError, match=r"several configs \(en, fr\); pass --source"):
+        resolve_source(str(two))
+
+
+def test_a_folder_of_text_with_a_same_named_py_file_stays_a_corpus(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    (corpus / "corpus.py").write_text("print('not a loading script')\n")
+    assert resolve_source(str(corpus)).kind == "files"
+
+
+def test_a_binary_file_is_not_text(tmp_path):
+    (tmp_path / "model.txt").write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(DataError, match="model.txt: this is not text") as e:
+        resolve_source(str(tmp_path / "model.txt"))
+    assert "\n" not in str(e.value)
+
+
+def test_parquet_size_is_the_text_not_the_compressed_file(tmp_path):
+    docs = [f"the same line again, {i}\n" * 200 for i in range(50)]  # compresses ~100x
+    pq.write_table(pa.table({"text": docs}), tmp_path / "c.parquet", compression="zstd")
+    text = sum(len(d.encode()) for d in docs)
+    assert (tmp_path / "c.parquet").stat().st_size < text / 20
+    assert abs(resolve_source(str(tmp_path / "c.parquet")).approx_bytes - text) < 0.05 * text
