@@ -214,13 +214,14 @@ def test_native_checkpoint_exports_to_hf(runs, tmp_path, backend):
     from transformers import AutoModelForCausalLM
 
     from models import ZeroStackForCausalLM
+    from training.checkpoints import layout as ckpt
     from training.checkpoints.export import export
     from training.checkpoints.weights import config_from_dict
     from training.engines import load_full_state_dict
 
     folder = runs[backend] / "checkpoints" / f"step_{STEPS:08d}"
     hf = export(runs[backend], tmp_path / "hf")
-    state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    state = ckpt.load_trainer_state(folder.parent, folder.name)
     assert state["backend"] == backend and state["world"] == 2
 
     sd = load_full_state_dict(backend, folder)

@@ -1,7 +1,8 @@
 """The checkpoint layout every engine shares, and the rule that makes a save safe to kill:
 
     RUN/checkpoints/
-        step_00000100/           the engine's own files + trainer_state.pt + complete.json
+        step_00000100/           the engine's own files + trainer_state.json + rng_state.json
+                                 + complete.json
         latest                   the tag of the newest *complete* checkpoint
 
 An engine writes its files into the tag folder; then rank 0 writes the trainer state and a
@@ -14,10 +15,16 @@ and leaves `latest` alone.
 
 A universal copy of a checkpoint (universal.py) lives beside it as `step_N_universal`
 and goes when its checkpoint goes.
+
+What zerostack writes itself is JSON, so reading it back runs no code: the trainer state, and
+each rank's RNG states (torch's generator bytes in base64, numpy's and Python's Mersenne
+Twister words as integers, so they round-trip exactly). `load_trainer_state` first checks that
+no file of the checkpoint names a class outside checkpoints/safe_load.py's allow-list.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -28,13 +35,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.checkpoints import integrity
+from training.checkpoints import integrity, safe_load
 from training.checkpoints.integrity import COMPLETE
 from training.errors import CheckpointError, SaveFailed
 from training.runtime import distributed
 
 LATEST = "latest"
-STATE = "trainer_state.pt"
+STATE = "trainer_state.json"
+RNG = "rng_state.json"
+PICKLED_STATE = "trainer_state.pt"  # the whole trainer state, before it was JSON
 UNIVERSAL_SUFFIX = "_universal"
 _TAG = re.compile(r"step_\d+")
 
@@ -44,17 +53,45 @@ def tag_for(step: int) -> str:
 
 
 def rng_state() -> dict:
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
+    """This process's RNG states as plain JSON values (exact: integers and base64 bytes)."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, words, py_gauss = random.getstate()
+    state = {
+        "torch": _b64(torch.get_rng_state()),
+        "numpy": {"keys": keys.tolist(), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
+        "python": {"version": version, "words": list(words), "gauss": py_gauss},
     }
+    if torch.accelerator.is_available():  # this rank's device only: others are other ranks'
+        state["accelerator"] = _b64(_device_module().get_rng_state())
+    return state
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    """Restore `rng_state()`'s result (or a pickled trainer state's older form)."""
+    if isinstance(state["numpy"], dict):
+        n, p = state["numpy"], state["python"]
+        keys = np.array(n["keys"], dtype=np.uint32)
+        np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["gauss"]))
+        random.setstate((p["version"], tuple(p["words"]), p["gauss"]))
+        torch.set_rng_state(_unb64(state["torch"]))
+    else:  # trainer_state.pt: the objects themselves
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+    if state.get("accelerator") and torch.accelerator.is_available():
+        _device_module().set_rng_state(_unb64(state["accelerator"]))
+
+
+def _device_module():
+    return torch.get_device_module(torch.accelerator.current_accelerator())
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
 def save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_main: bool) -> Path:
@@ -85,7 +122,9 @@ def _save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is
     folder = root / tag
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
-        if folder.exists():  # a partial save of this step from an earlier, killed run
+        if (folder / COMPLETE).is_file():  # a sealed checkpoint of this step: never deleted
+            integrity.set_aside(folder)
+        elif folder.exists():  # a partial save of this step from an earlier, killed run
             shutil.rmtree(folder)
         shutil.rmtree(root / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)  # stale copy of it
     distributed.barrier()
@@ -94,8 +133,8 @@ def _save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is
     distributed.barrier()
     if is_main:
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save({**trainer_state, "rng": rngs}, folder / STATE)
-        (folder / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1, default=str))
+        (folder / STATE).write_text(json.dumps(trainer_state, indent=1))
+        (folder / RNG).write_text(json.dumps(rngs))
     distributed.barrier()  # the trainer state is on disk for every rank to see
     listing = integrity.listing(folder)
     if is_main:
@@ -219,7 +258,21 @@ def locate(path: str | Path) -> tuple[Path, str]:
 
 
 def load_trainer_state(root: Path, tag: str) -> dict:
-    return torch.load(root / tag / STATE, weights_only=False)
+    """Checkpoint root/tag's trainer state, with each rank's RNG states under "rng". First
+    checks that no file in the folder names a class outside the allow-list (safe_load.py), so
+    resume, conversion and export refuse a planted pickle before anything loads it. Raises
+    CheckpointError in one line."""
+    folder = root / tag
+    safe_load.check_folder(folder)
+    if not (folder / RNG).is_file() and (folder / PICKLED_STATE).is_file():
+        return safe_load.load(folder / PICKLED_STATE)  # older checkpoints: plain data only
+    try:
+        state = json.loads((folder / STATE).read_text())
+        rng = folder / RNG
+        state["rng"] = json.loads(rng.read_text()) if rng.is_file() else []
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder}: unreadable trainer state ({e})") from None
+    return state
 
 
 def _prune(root: Path, keep_last: int) -> None:

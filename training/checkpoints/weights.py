@@ -16,6 +16,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from models import ZeroStackForCausalLM, from_llama_state_dict, pipeline_state_dict_to_model
+from training.checkpoints import safe_load
 from training.checkpoints.zero_files import ZeroFiles, load_mapped
 from training.engines import load_full_state_dict
 from training.engines.optim import param_groups
@@ -132,7 +133,7 @@ def folder_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:  # pickled weights: small legacy folders, read whole
         sd = {}
         for f in sorted(folder.glob("*.bin")):
-            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+            sd.update(safe_load.load(f))  # weights-only: tensors, nothing that runs
         yield from (from_llama_state_dict(sd) if llama else sd).items()
         return
     for f in files:

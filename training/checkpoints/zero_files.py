@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from training.checkpoints import safe_load
 from training.errors import CheckpointError
 
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -190,14 +191,10 @@ def _flat(sd: dict, group: int, key: str) -> torch.Tensor:
 
 
 def load_mapped(path: Path):
-    """torch.load(path) with the file memory-mapped (tensors are read when touched); an
-    unreadable file is a CheckpointError naming it."""
-    try:
-        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # a truncated or foreign file: torch raises many kinds
-        raise CheckpointError(
-            f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0]})"
-        ) from None
+    """torch.load(path) weights-only with the file memory-mapped (tensors are read when
+    touched); an unreadable file, or one naming a class outside safe_load's allow-list, is a
+    CheckpointError naming it."""
+    obj = safe_load.load(path, mmap=True)
     _MAPPED[os.path.realpath(path)] = None
     _FILE_MAPS.clear()  # mappings change with every load: look again when asked
     return obj

@@ -70,13 +70,16 @@ class DDPEngine(NativeEngine):
         folder = Path(root) / tag
         if not (folder / MODEL_FILE).is_file():
             raise RuntimeError(f"{folder} holds no DDP checkpoint ({MODEL_FILE} missing)")
-        self.module.load_state_dict(torch.load(folder / MODEL_FILE, map_location=self.device))
-        extra = torch.load(folder / OPTIM_FILE, map_location=self.device, weights_only=False)
+        # Tensors and plain containers only (optimizer and scaler state dicts are just that):
+        # weights_only, so a file planted in the folder cannot run code.
+        model = torch.load(folder / MODEL_FILE, map_location=self.device, weights_only=True)
+        self.module.load_state_dict(model)
+        extra = torch.load(folder / OPTIM_FILE, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(extra["optimizer"])
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
 
 
 def load_full_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    sd = torch.load(Path(folder) / MODEL_FILE, map_location="cpu")
+    sd = torch.load(Path(folder) / MODEL_FILE, map_location="cpu", weights_only=True)
     return {k: v.float() for k, v in sd.items()}

@@ -3,16 +3,25 @@ reader's position and, on the same world size, each rank's RNG state."""
 
 from __future__ import annotations
 
-from training.checkpoints import layout
+import pickle
+
+from training.checkpoints import layout, safe_load
 from training.checkpoints.resume import ResumePlan
 from training.engines.base import Engine
+from training.errors import CheckpointError
 from training.loop.loop import LoopState
 
 
 def restore(plan: ResumePlan, engine: Engine, loader, rank: int, world: int) -> LoopState:
     """All ranks call. Loads the engine from the plan's folder (its universal copy when the plan
     says so) and moves `loader` to where the checkpoint's run stopped reading."""
-    engine.load(plan.root, plan.load_tag)
+    try:
+        with safe_load.weights_only():  # DeepSpeed's and DCP's own torch.loads too
+            engine.load(plan.root, plan.load_tag)
+    except pickle.UnpicklingError as e:  # a file changed after the preflight's check
+        raise CheckpointError(
+            safe_load.refusal(plan.root / plan.load_tag, [safe_load.refused_name(e)])
+        ) from None
     saved = plan.trainer_state()
     loader.load_state_dict(saved["data"])
     rngs = saved.get("rng", [])
