@@ -25,6 +25,8 @@
 # Remote ranks run with the same virtualenv activated (--venv_script), so they find its tools:
 # this repo's .venv, or VENV=DIR.
 # Stopping: Ctrl-C makes DeepSpeed's runner run `pkill -f training/train.py` on every host.
+# The script exits with the code the ranks recorded in RUN/exit.json (training/errors.py; --out on
+# storage this host sees), else with the launcher's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: launch/hostfile.sh HOSTFILE MASTER_ADDR [train flags...]"
@@ -32,6 +34,12 @@ hostfile=${1:?$usage}
 master=${2:?$usage}
 shift 2
 [ -f "$hostfile" ] || { echo "error: hostfile not found: $hostfile" >&2; exit 2; }
+# Every host must resolve here (DeepSpeed's launcher otherwise dies with a traceback).
+while read -r host _; do
+  case "$host" in ''|\#*) continue ;; esac
+  getent hosts "$host" >/dev/null || {
+    echo "error: hostfile $hostfile: host '$host' does not resolve" >&2; exit 2; }
+done < "$hostfile"
 command -v pdsh >/dev/null || [ -n "${LAUNCHER:-}" ] || {
   echo "error: pdsh not found on this host (apt-get install pdsh), or set LAUNCHER=openmpi" >&2
   exit 2
@@ -39,12 +47,29 @@ command -v pdsh >/dev/null || [ -n "${LAUNCHER:-}" ] || {
 venv=$(cd "${VENV:-.venv}" && pwd)
 env_file=${DS_ENV_FILE:-.deepspeed_env}
 : > "$env_file.new"
+record=$(mktemp "${TMPDIR:-/tmp}/zerostack-exit.XXXXXX")
+trap 'rm -f "$record"' EXIT
+export ZEROSTACK_EXIT_RECORD=$record ZEROSTACK_LAUNCH_ID="hostfile-$(hostname)-$$-$(date +%s%N)"
 for v in NCCL_SOCKET_IFNAME NCCL_IB_DISABLE NCCL_DEBUG GLOO_SOCKET_IFNAME OMP_NUM_THREADS \
-  TORCH_EXTENSIONS_DIR HF_HOME HF_HUB_OFFLINE WANDB_MODE TOKENIZERS_PARALLELISM ${FORWARD_VARS:-}; do
+  TORCH_EXTENSIONS_DIR HF_HOME HF_HUB_OFFLINE WANDB_MODE TOKENIZERS_PARALLELISM \
+  ZEROSTACK_LAUNCH_ID ${FORWARD_VARS:-}; do
   if [ -n "${!v:-}" ]; then echo "$v=${!v}" >> "$env_file.new"; fi
 done
 mv "$env_file.new" "$env_file"
 export DS_ENV_FILE="$env_file"
-exec "$venv/bin/deepspeed" --hostfile "$hostfile" --master_addr "$master" \
+# In a session of its own, so a Ctrl-C in the terminal reaches it once, through the trap below.
+setsid "$venv/bin/deepspeed" --hostfile "$hostfile" --master_addr "$master" \
   --master_port "${MASTER_PORT:-29500}" --venv_script "$venv/bin/activate" \
-  ${LAUNCHER:+--launcher "$LAUNCHER"} training/train.py "$@"
+  ${LAUNCHER:+--launcher "$LAUNCHER"} training/train.py "$@" &
+child=$!
+for sig in TERM INT; do  # DeepSpeed's runner stops the ranks itself
+  trap "kill -s $sig $child 2>/dev/null" "$sig"
+done
+code=0
+wait "$child" || code=$?
+while kill -0 "$child" 2>/dev/null; do  # a trapped signal ends `wait` early
+  code=0
+  wait "$child" || code=$?
+done
+code=$("$venv/bin/python" -m launch.exit_code "$code" "$record" "$@") || code=1
+exit "$code"

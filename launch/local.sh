@@ -6,6 +6,8 @@
 # On GPUs NUM_RANKS is the GPU count (NCCL); on CPU it is the number of processes (gloo), each
 # given an equal share of the cores.
 #
+# The script exits with the code the ranks recorded (RUN/exit.json, training/errors.py), not the
+# DeepSpeed launcher's own (which, after a lost rank, is the dead rank's: -9 -> 247).
 # Restarts resume from the latest complete checkpoint in --out. Exit codes 2 (bad input),
 # 3 (diverged) and 5 (could not save) are not retried: they would fail the same way again
 # (training/errors.py lists them all). SIGTERM, SIGUSR1 or Ctrl-C to this script go to the
@@ -30,8 +32,14 @@ trap 'forward TERM' TERM
 trap 'forward USR1' USR1
 trap 'forward INT' INT
 
+record=$(mktemp "${TMPDIR:-/tmp}/zerostack-exit.XXXXXX")
+trap 'rm -f "$record"' EXIT
+export ZEROSTACK_EXIT_RECORD=$record
+
 attempt=0
 while :; do
+  : > "$record"
+  export ZEROSTACK_LAUNCH_ID="local-$$-$attempt-$(date +%s%N)"
   "$venv/bin/deepspeed" --num_gpus "$n" --master_port "${MASTER_PORT:-29500}" \
     training/train.py "$@" &
   child=$!
@@ -41,6 +49,7 @@ while :; do
     code=0
     wait "$child" || code=$?
   done
+  code=$("$venv/bin/python" -m launch.exit_code "$code" "$record" "$@") || code=1
   if [ "$stopping" = 1 ] || [ "$code" = 0 ]; then exit "$code"; fi
   case $code in 2 | 3 | 5) exit "$code" ;; esac
   if [ "$attempt" -ge "$max" ]; then exit "$code"; fi

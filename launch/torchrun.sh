@@ -12,6 +12,8 @@
 # complete checkpoint in --out. SIGTERM, SIGUSR1 or Ctrl-C to torchrun reach every rank, which
 # saves a checkpoint at the next step boundary and exits (75); torchrun waits SHUTDOWN_TIMEOUT
 # seconds (default 120) for that before it kills them.
+# The script exits with the code the ranks recorded (RUN/exit.json, training/errors.py): torchrun
+# itself says 1 for any failed rank.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:?usage: launch/torchrun.sh NUM_RANKS_PER_HOST [train flags...]}; shift
@@ -23,4 +25,21 @@ if [ "${NNODES:-1}" -gt 1 ]; then
 else
   args+=(--standalone)
 fi
-exec "${VENV:-.venv}/bin/torchrun" "${args[@]}" training/train.py "$@"
+venv=${VENV:-.venv}
+record=$(mktemp "${TMPDIR:-/tmp}/zerostack-exit.XXXXXX")
+trap 'rm -f "$record"' EXIT
+export ZEROSTACK_EXIT_RECORD=$record ZEROSTACK_LAUNCH_ID="torchrun-$$-$(date +%s%N)"
+# In a session of its own, so a Ctrl-C in the terminal reaches it once, through the trap below.
+setsid "$venv/bin/torchrun" "${args[@]}" training/train.py "$@" &
+child=$!
+for sig in TERM INT USR1 HUP QUIT; do  # torchrun passes these on to every rank
+  trap "kill -s $sig $child 2>/dev/null" "$sig"
+done
+code=0
+wait "$child" || code=$?
+while kill -0 "$child" 2>/dev/null; do  # a trapped signal ends `wait` early
+  code=0
+  wait "$child" || code=$?
+done
+code=$("$venv/bin/python" -m launch.exit_code "$code" "$record" "$@") || code=1
+exit "$code"

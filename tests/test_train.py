@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO, TINY_RUN, free_port, launch, read_metrics
+from conftest import PY, REPO, TINY_RUN, free_port, kill_marked, launch, read_metrics
 
 CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fp32"]
 COMMON = TINY_RUN
@@ -113,7 +113,13 @@ def test_kill_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
         "tests/scripts/hold_save_train.py",  # holds the save of step 4 open
         *train_args(tiny_data, out, "--steps", "6", "--save-every", "2"),
     ]
-    env = {**os.environ, "ZEROSTACK_TEST_HOLD_SAVE": "4:60", "PYTHONUNBUFFERED": "1"}
+    marker = f"kill-during-save-{os.getpid()}"
+    env = {
+        **os.environ,
+        "ZEROSTACK_TEST_HOLD_SAVE": "4:60",
+        "PYTHONUNBUFFERED": "1",
+        "ZEROSTACK_TEST_LAUNCH": marker,
+    }
     p = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -128,6 +134,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
         if "holding save of step_00000004" in line or time.time() > deadline:
             break
     os.killpg(p.pid, signal.SIGKILL)
+    kill_marked(marker)  # the whole job: torchrun starts each rank in a session of its own
     p.wait()
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_00000002"

@@ -1,7 +1,7 @@
-"""A run's first collective steps, on every rank: the process group, the resume plan verified by
-all ranks together (falling back past a corrupt checkpoint with --resume auto), accelerate's
-process state, DeepSpeed's comm layer with its shared-memory route, and the universal copy a
-resume on another topology needs."""
+"""A run's first collective steps, on every rank: the process group, the run folder's lock (taken
+before anything is written there), the resume plan verified by all ranks together (falling back
+past a corrupt checkpoint with --resume auto), accelerate's process state, DeepSpeed's comm
+layer with its shared-memory route, and the universal copy a resume on another topology needs."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 from training.checkpoints import universal
 from training.checkpoints.resume import ResumePlan, verify_resume
-from training.errors import BAD_INPUT, CheckpointError
+from training.errors import BAD_INPUT, CheckpointError, ConfigError
 from training.preflight import Prepared, rank0_printer
-from training.runtime import cluster, distributed
+from training.runtime import cluster, distributed, runlock
 from training.runtime.distributed import DistInfo
 from training.runtime.shm import shared_memory_all_reduce
 from training.settings.flags import Settings
@@ -34,9 +34,7 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     """The process group; the resume plan verified by every rank (falling back past a corrupt
     checkpoint with --resume auto); DeepSpeed's comm layer; the universal copy, if needed."""
     dist = distributed.setup(timeout_s=settings.dist_timeout, local_rank_arg=settings.local_rank)
-    if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    distributed.barrier()
+    hold_run_folder(run_dir, dist)
     resume = prepared.resume
     if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
         auto, log = settings.resume == "auto", rank0_printer(dist.rank)
@@ -50,6 +48,27 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
         universal_copy(resume, dist)
         cfg = {**cfg, "checkpoint": {**cfg.get("checkpoint", {}), "load_universal": True}}
     return Started(dist, resume, cfg, shm, accelerate)
+
+
+def hold_run_folder(run_dir: Path, dist: DistInfo) -> None:
+    """Rank 0 takes the run folder's lock (runlock.py) before anything is written into it; every
+    rank learns the verdict, so a refused launch ends alike on all of them (ConfigError)."""
+    lock, problem = None, None
+    if dist.is_main:
+        try:
+            lock = runlock.acquire(run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
+        except ConfigError as e:
+            problem = str(e)
+    problem = distributed.broadcast_object(problem)
+    if problem:
+        raise ConfigError(problem)
+    runlock.hold(lock, run_dir)
+
+
+def give_back_untouched() -> None:
+    """A launch with nothing to do gives the run folder back before writing anything into it,
+    not even how it ended (the launch script still gets its code)."""
+    runlock.release()
 
 
 def universal_copy(plan: ResumePlan, dist: DistInfo) -> None:

@@ -39,6 +39,7 @@ from training.checkpoints import layout as ckpt
 from training.checkpoints.weights import config_from_dict, load_model
 from training.checkpoints.zero_files import release_freed_memory
 from training.errors import CheckpointError, ExportError
+from training.runtime import runlock
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -86,11 +87,12 @@ def export_report(
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(max_shard_size)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ExportError(f"{out}: exists and is not empty; pass --overwrite to replace it")
+    check_target(out, overwrite)
     root, tag = locate(path)
     try:
         state = ckpt.load_trainer_state(root, tag)
+    except CheckpointError as e:  # already one line naming the file
+        raise ExportError(str(e)) from None
     except Exception as e:
         raise ExportError(f"{root / tag}: unreadable trainer state ({e})") from None
     torch_dtype = DTYPES[dtype]
@@ -121,6 +123,20 @@ def export_report(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Report(out, sorted(p.name for p in out.iterdir()), err, gen)
+
+
+def check_target(out: Path, overwrite: bool) -> None:
+    """Raise ExportError unless `out` may be written: absent or empty, or with --overwrite a
+    folder that neither is nor contains a run or data folder, and inside one only when it is an
+    earlier export (RUN/hf): nothing a user owns is replaced by mistake."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not overwrite:
+        raise ExportError(f"{out}: exists and is not empty; pass --overwrite to replace it")
+    earlier_export = (out / "config.json").is_file() and any(out.glob("*.safetensors"))
+    owned = runlock.owned_near(out, inside_ok=earlier_export)
+    if owned:
+        raise ExportError(f"--out {owned}; refusing to replace it: pick a new --out")
 
 
 def parse_size(size: str | int) -> int:

@@ -5,11 +5,17 @@ On a save or a resume the hashing is shared out: every rank says which files of 
 can see (on node-local disks a rank sees only its own host's), each file goes to one rank that
 sees it, each rank hashes its share in a streaming way, and the results are gathered. With
 collective=True every rank must call (and all get the same answer); collective=False is for one
-process on its own (export, universal conversion, tests)."""
+process on its own (export, universal conversion, tests).
+
+A damaged checkpoint is never deleted: a resume names it and goes past it, and when a later save
+writes the same step, the sealed folder there is moved aside into `checkpoints/damaged/` (or
+`checkpoints/replaced/` when it verifies: a run resumed from an older step) by `set_aside`."""
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 from data.files import sha256_file
@@ -85,3 +91,29 @@ def verify(folder: Path, hashes: bool = True, collective: bool = True) -> str | 
                 "disk since it was written)"
             )
     return None
+
+
+def sealed_problems(root: Path) -> dict[str, str]:
+    """{tag: one line} for every sealed checkpoint under `root` (it has its complete.json) whose
+    listed files are not all there with their sizes: saved whole, damaged since."""
+    out = {}
+    for folder in sorted(root.glob("step_*")) if root.is_dir() else []:
+        if re.fullmatch(r"step_\d+", folder.name) and (folder / COMPLETE).is_file():
+            problem = verify(folder, hashes=False, collective=False)
+            if problem:
+                out[folder.name] = problem
+    return out
+
+
+def set_aside(folder: Path) -> Path:
+    """One process: move a sealed checkpoint that a save of the same step is about to replace
+    into damaged/ (it does not verify) or replaced/ (it does) beside it, and say so."""
+    kind = "damaged" if verify(folder, collective=False) else "replaced"
+    dest = folder.parent / kind / folder.name
+    n = 1
+    while dest.exists():
+        dest, n = folder.parent / kind / f"{folder.name}.{n}", n + 1
+    dest.parent.mkdir(exist_ok=True)
+    folder.rename(dest)
+    print(f"moved the {kind} checkpoint {folder} aside to {dest}", file=sys.stderr, flush=True)
+    return dest

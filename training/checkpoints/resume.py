@@ -7,7 +7,8 @@ older one; and the checkpoint loads either natively or, when the world size, ZeR
 pipeline layout changed, through a universal copy (universal.py). Once the process group is up
 (`verify_resume`), every rank hashes a share of the checkpoint's files against their listing;
 with auto, a corrupt one again gives way to the next older one that verifies, and its load is
-planned anew. Falling back always says so, on rank 0.
+planned anew. Falling back always says so, on rank 0, naming the damaged file; a run folder
+whose every checkpoint is damaged is refused rather than trained from step 0 over them.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def plan_resume(
             "training from scratch would overwrite; pick another --out or use --resume auto"
         )
     found = layout.resolve_resume(arg, run_dir)
+    if arg == "auto":
+        _name_damaged(run_dir / "checkpoints", found and found[1], log)
     if found is None:
         return None
     root, tag = found
@@ -61,6 +64,23 @@ def plan_resume(
     if good != tag:
         why = f"{good}, the newest with a readable trainer state"
     return _plan_load(root, good, now, mode, why)
+
+
+def _name_damaged(root: Path, resumed: str | None, log: Callable[[str], None]) -> None:
+    """--resume auto goes past sealed checkpoints newer than `resumed` whose files are damaged
+    (truncated, missing): name each one. When every checkpoint is damaged, refuse, instead of
+    training from step 0 over them."""
+    damaged = {t: p for t, p in integrity.sealed_problems(root).items() if t > (resumed or "")}
+    if damaged and resumed is None:
+        raise CheckpointError(
+            f"every checkpoint in {root} is damaged ({'; '.join(damaged.values())}); nothing was "
+            "changed: restore the files, or move the run folder away (or pick another --out) "
+            "to start over"
+        )
+    for tag, problem in sorted(damaged.items(), reverse=True):
+        log(f"warning: skipping the damaged checkpoint {tag}: {problem}")
+    if damaged:
+        log(f"resuming from {resumed}, the newest checkpoint whose files are whole")
 
 
 def verify_resume(
@@ -84,6 +104,8 @@ def _plan_load(root: Path, tag: str, now: Topology, mode: str, why: str) -> Resu
     """Whether checkpoint root/tag loads natively or through a universal copy."""
     try:
         saved = layout.load_trainer_state(root, tag)
+    except CheckpointError:
+        raise  # already one line naming the file
     except Exception as e:  # damaged beyond unpickling
         raise CheckpointError(f"{root / tag}: unreadable trainer state ({e})") from None
     use = universal.plan(saved, now, mode)
@@ -98,6 +120,8 @@ def _plan_load(root: Path, tag: str, now: Topology, mode: str, why: str) -> Resu
 def _unreadable(root: Path, tag: str) -> str | None:
     try:
         layout.load_trainer_state(root, tag)
+    except CheckpointError as e:
+        return str(e)
     except Exception as e:  # damaged beyond unpickling: torch raises many kinds
         return f"{root / tag}: unreadable trainer state ({e})"
     return None
@@ -119,12 +143,14 @@ def _first_good(
         return tag
     if not auto:
         raise CheckpointError(f"refusing to resume from {refuse}: {problem}" if refuse else problem)
+    problems = [problem]
     for older in reversed([t for t in layout.complete_tags(root) if t < tag]):
         log(f"warning: {problem}; trying the previous checkpoint {older}")
         problem = problem_of(root, older)
         if problem is None:
             return older
+        problems.append(problem)
     raise CheckpointError(
-        f"no checkpoint in {root} can be resumed (last problem: {problem}); to start over, move "
-        "the run folder away or pick another --out"
+        f"no checkpoint in {root} can be resumed ({'; '.join(problems)}); nothing was changed: "
+        "restore the files, or move the run folder away (or pick another --out) to start over"
     )

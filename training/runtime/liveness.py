@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from training.errors import BAD_INPUT, DIVERGED, LOST_RANK, SAVE_FAILED
+from training.errors import BAD_INPUT, DIVERGED, LOST_RANK, OK, PREEMPTED, SAVE_FAILED
 
 
 class Liveness:
@@ -52,7 +52,7 @@ class Liveness:
         self.on_lost = None  # (gone, code) -> never returns; guard.run_guarded sets it
         self._watchdog: threading.Thread | None = None
 
-    def watch(self, grace_s: float = 5.0) -> None:
+    def watch(self, grace_s: float = 3.0) -> None:
         """Start the watchdog (once): after `grace_s` in a marked wait, hold a roll call; repeat
         every `grace_s` until the wait ends, a peer is gone, or `timeout_s` has passed."""
         if self._watchdog is None:
@@ -62,7 +62,7 @@ class Liveness:
             self._watchdog.start()
 
     def _watch(self, grace_s: float) -> None:
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(0.5):
             since = self.waiting_since
             if since is None or time.monotonic() - since < grace_s:
                 continue
@@ -132,8 +132,8 @@ class Liveness:
             for r in others:
                 if store.check([self._key("words", r)]):
                     c, _, text = store.get(self._key("words", r)).decode().partition("|")
-                    if text.startswith("lost "):  # a survivor like us, not the cause
-                        continue
+                    if text.startswith("lost ") or int(c) in (OK, PREEMPTED):
+                        continue  # a survivor like us, or a rank that finished: not the cause
                     gone[r] = f"stopped: {text}"
                     if int(c) in (BAD_INPUT, DIVERGED, SAVE_FAILED):
                         code = int(c)  # every rank then ends the same way
@@ -168,9 +168,18 @@ def start(rank: int, world: int) -> Liveness | None:
     return _current
 
 
+_step = 0  # the last step noted, also in a world of one (the run's exit record names it)
+
+
 def note_step(step: int) -> None:
+    global _step
+    _step = step
     if _current is not None:
         _current.step = step
+
+
+def last_step() -> int:
+    return _step
 
 
 def set_timeout(seconds: float) -> None:

@@ -22,6 +22,11 @@ class StopRequest:
         self.signum = 0
         self.honored = False  # the loop saved and stopped because of it
         self._interrupts = 0
+        # Set by guard.run_guarded: called (in the handler) with the signal instead of saying
+        # `announcement()` at once: a launcher also sends SIGTERM when a peer has died, and
+        # then no checkpoint can be saved.
+        self.on_request = None
+        self.on_interrupt = None  # called before a second Ctrl-C exits: the run's last record
 
     def install(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -31,19 +36,27 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         # os.write, not print: a handler may run while the main thread is inside print.
-        name = signal.Signals(signum).name
         if signum == signal.SIGINT:
             self._interrupts += 1
             if self._interrupts > 1:
-                _say(f"[rank {self.rank}] second Ctrl-C: stopping now, without saving\n")
+                say(f"[rank {self.rank}] second Ctrl-C: stopping now, without saving\n")
+                if self.on_interrupt is not None:
+                    self.on_interrupt()
                 os._exit(INTERRUPTED)
         if self.signum:
             return  # already stopping (launchers often forward what the terminal also sent)
         self.signum = signum
-        again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-        _say(
-            f"[rank {self.rank}] {name}: saving a checkpoint at the next step boundary, "
-            f"then exiting{again}\n"
+        if self.on_request is not None:
+            self.on_request(signum)  # says it once it knows whether every rank is still there
+        else:
+            say(self.announcement())
+
+    def announcement(self) -> str:
+        """The line that acknowledges the request (when every rank is still there to save)."""
+        again = " (Ctrl-C again to stop at once)" if self.signum == signal.SIGINT else ""
+        return (
+            f"[rank {self.rank}] {name(self.signum)}: saving a checkpoint at the next step "
+            f"boundary, then exiting{again}\n"
         )
 
     @property
@@ -63,7 +76,7 @@ def name(signum: int) -> str:
     return signal.Signals(int(signum)).name
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     try:
         os.write(2, text.encode())
     except OSError:
