@@ -58,7 +58,13 @@ def test_auto_optimizer_params_come_from_flags():
         }
     }
     out = resolve(cfg, lr=5e-4)
-    assert out["optimizer"]["params"] == {"lr": 5e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}
+    # every number the optimizer runs with is written out, eps included (issue 18)
+    assert out["optimizer"]["params"] == {
+        "lr": 5e-4,
+        "betas": [0.9, 0.95],
+        "weight_decay": 0.1,
+        "eps": 1e-8,
+    }
 
 
 @pytest.mark.parametrize(

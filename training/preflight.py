@@ -5,6 +5,9 @@ written."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -12,12 +15,16 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from data import load_manifest
-from data.manifest import Manifest
+from data import load_data
+from data.manifest import MANIFEST, Manifest
 from models import ModelError, get_config
+from models.hub import resolve_pretrained
+from training.checkpoints import safe_load
 from training.checkpoints.resume import ResumePlan, plan_resume
 from training.checkpoints.universal import Topology
-from training.errors import ConfigError
+from training.engines.base import OptimizerConfig
+from training.errors import CheckpointError, ConfigError
+from training.loop.schedule import Schedule
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, nvme
@@ -37,6 +44,10 @@ class Prepared:
     model_config: object  # the model's config (ours or any HF one), not the model
     topology: Topology  # this run's: what a checkpoint's files depend on
     resume: ResumePlan | None
+    # The optimizer's numbers and the schedule: flag given > ds_config > default (hparams.py)
+    optimizer: OptimizerConfig | None = None
+    schedule: Schedule | None = None
+    activation_checkpointing: bool = False  # the flag, or the config's section
 
     @property
     def micro_batch(self) -> int:
@@ -46,17 +57,39 @@ class Prepared:
     def grad_accum(self) -> int:
         return self.ds_config["gradient_accumulation_steps"]
 
+    @property
+    def effective_flags(self) -> dict:
+        """The values the run uses for the flags that default to "not given" (lr, betas, ...),
+        for the run's record."""
+        o, sch = self.optimizer, self.schedule
+        return {
+            "lr": o.lr,
+            "beta1": o.betas[0],
+            "beta2": o.betas[1],
+            "eps": o.eps,
+            "weight_decay": o.weight_decay,
+            "warmup": sch.warmup,
+            "min_lr_ratio": sch.min_lr_ratio,
+            "schedule": sch.kind,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
+
 
 def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     """Check a run before any work; raises ConfigError, DataError, ModelError or CheckpointError
     with one line."""
     check_flags(settings)
+    check_out(settings)
     check_launch_env(world)
     default = "zero2.json" if settings.backend == "deepspeed" else "zero0.json"
     cfg_path = accelerate_ds_config(settings.ds_config) or str(ds_config.CONFIG_DIR / default)
     raw = ds_config.load_json(cfg_path)
-    manifest = load_manifest(settings.data)
+    device = accelerator().device_name()
+    # The config's own mistakes first: before the data's checksums are read.
+    ds_config.precheck(raw, flags=settings.as_flags(), source=cfg_path, device_type=device)
+    manifest = load_data(settings.data, settings.seq_len, verify=True, log=rank0_printer(rank))
     model_cfg = model_config(settings.model, manifest.vocab_size)
+    check_lengths(settings, model_cfg, manifest)
     raw = nvme.override_path(raw, settings.nvme_path, cfg_path)
     flags = {
         **settings.as_flags(),
@@ -80,7 +113,23 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     )
     log = rank0_printer(rank)
     resume = plan_resume(settings.resume, Path(settings.out), now, settings.universal, log)
-    return Prepared(cfg, cfg_path, precision, manifest, model_cfg, now, resume)
+    if resume is not None:
+        check_resume_shape(resume, model_cfg, settings.model)
+    optimizer, schedule = ds_config.hyperparameters(cfg, flags, cfg_path)
+    return Prepared(
+        cfg,
+        cfg_path,
+        precision,
+        manifest,
+        model_cfg,
+        now,
+        resume,
+        OptimizerConfig(
+            optimizer["lr"], tuple(optimizer["betas"]), optimizer["eps"], optimizer["weight_decay"]
+        ),
+        Schedule(**schedule),
+        ds_config.activation_checkpointing(cfg, flags),
+    )
 
 
 def rank0_printer(rank: int):
@@ -90,26 +139,52 @@ def rank0_printer(rank: int):
     return lambda line: print(line, file=sys.stderr, flush=True)
 
 
+# Every numeric flag's domain: (flag, lowest, highest, what to say). None is "not given" and
+# passes; a float must also be finite (argparse takes inf and nan).
+FLAG_RANGES = (
+    ("steps", 1, None, "at least 1"),
+    ("seq_len", 2, None, "at least 2"),
+    ("micro_batch", 1, None, "at least 1"),
+    ("grad_accum", 1, None, "at least 1"),
+    ("global_batch", 1, None, "at least 1"),
+    ("grad_clip", 0, None, "0 (no clipping) or more"),
+    ("lr", 0, None, "0 or more"),
+    ("min_lr_ratio", 0, 1, "between 0 and 1"),
+    ("warmup", 0, None, "0 or more"),
+    ("weight_decay", 0, None, "0 or more"),
+    ("beta1", 0, 0.999999, "in [0, 1)"),
+    ("beta2", 0, 0.999999, "in [0, 1)"),
+    ("eps", 1e-30, None, "positive"),
+    ("seed", 0, 2**32 - 1, "in 0..2^32-1"),
+    ("log_every", 1, None, "at least 1"),
+    ("eval_every", 0, None, "0 (only at the end) or more"),
+    ("eval_samples", 1, None, "at least 1"),
+    ("save_every", -1, None, "-1 (never), 0 (at the end) or more"),
+    ("keep_last", 0, None, "0 (keep all) or more"),
+    ("pipeline_stages", 1, None, "at least 1"),
+    ("ddp_bucket_mb", 1e-6, None, "positive"),
+    ("stop_at", 1, None, "at least 1"),
+    ("peak_tflops", 1e-9, None, "positive"),
+    ("dist_timeout", 1e-3, None, "positive (seconds)"),
+    ("max_bad_steps", 1, None, "at least 1"),
+)
+
+
 def check_flags(settings: Settings) -> None:
-    """Flags with impossible values."""
-    for flag, value, ok, need in (
-        ("--steps", settings.steps, settings.steps >= 1, "at least 1"),
-        ("--seq-len", settings.seq_len, settings.seq_len >= 2, "at least 2"),
-        ("--lr", settings.lr, settings.lr >= 0, "0 or more"),
-        ("--dist-timeout", settings.dist_timeout, settings.dist_timeout > 0, "positive (seconds)"),
-        ("--max-bad-steps", settings.max_bad_steps, settings.max_bad_steps >= 1, "at least 1"),
-        (
-            "--save-every",
-            settings.save_every,
-            settings.save_every >= -1,
-            "-1 (never), 0 (at the end) or more",
-        ),
-    ):
-        if not ok:
-            raise ConfigError(f"{flag} must be {need}, got {value}")
-    out = Path(settings.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a folder")
+    """Flags with impossible values: every number in its domain and finite; the switches that
+    need a backend or a package."""
+    values = settings.as_flags()
+    for name, low, high, need in FLAG_RANGES:
+        value = values.get(name)
+        if value is None:
+            continue
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not finite or value < low or (high is not None and value > high):
+            raise ConfigError(f"--{name.replace('_', '-')} must be {need}, got {value}")
+    if settings.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "--wandb: the wandb package is not installed; pip install wandb (or drop --wandb)"
+        )
     for flag, given, needs in (
         ("--no-fsdp-reshard-after-forward", not settings.fsdp_reshard_after_forward, "fsdp"),
         ("--fsdp-cpu-offload", settings.fsdp_cpu_offload, "fsdp"),
@@ -117,8 +192,78 @@ def check_flags(settings: Settings) -> None:
     ):
         if given and settings.backend != needs:
             raise ConfigError(f"{flag} needs --backend {needs} (got --backend {settings.backend})")
-    if settings.ddp_bucket_mb is not None and settings.ddp_bucket_mb <= 0:
-        raise ConfigError(f"--ddp-bucket-mb must be positive, got {settings.ddp_bucket_mb}")
+
+
+def check_out(settings: Settings) -> None:
+    """--out can be made a run folder: not a file, no file on its way, writable, and not a
+    prepared data folder or inside one (run files would be written into the dataset)."""
+    out = Path(settings.out).absolute()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {settings.out} exists and is not a folder")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {settings.out}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {settings.out}: {existing} is not writable")
+    for folder in (existing, *existing.parents):
+        if (folder / MANIFEST).is_file():
+            raise ConfigError(
+                f"--out {settings.out}: {folder} is a prepared data folder (it holds "
+                f"{MANIFEST}); put the run elsewhere"
+            )
+
+
+def check_lengths(settings: Settings, model_cfg, manifest) -> None:
+    """--seq-len against the model's positions and each split's tokens (one window needs
+    seq_len + 1)."""
+    positions = getattr(model_cfg, "max_position_embeddings", None)
+    if isinstance(positions, int) and settings.seq_len > positions:
+        raise ConfigError(
+            f"--seq-len {settings.seq_len} is longer than --model {settings.model}'s "
+            f"{positions} positions (max_position_embeddings); use --seq-len {positions} or less"
+        )
+    for name, split in getattr(manifest, "splits", {}).items():
+        tokens = getattr(split, "tokens", None)
+        if isinstance(tokens, int) and tokens < settings.seq_len + 1:
+            raise ConfigError(
+                f"--seq-len {settings.seq_len}: the {name} split of {settings.data} has "
+                f"{tokens} tokens, too few for one window of seq_len + 1; use --seq-len "
+                f"{max(2, tokens - 1)} or less, or more data"
+            )
+
+
+# What a checkpoint's weights depend on: a resume with another value cannot load them.
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+    "n_embd",
+    "n_layer",
+    "n_head",
+)
+
+
+def check_resume_shape(plan: ResumePlan, model_cfg, model: str) -> None:
+    """The checkpoint's recorded model config against the requested one, before ranks start (a
+    state-dict traceback on every rank otherwise)."""
+    saved = plan.trainer_state().get("model_config")
+    if not isinstance(saved, dict):
+        return  # an old checkpoint without it: the engine's load says
+    wanted = model_cfg.to_dict()
+    for key in SHAPE_KEYS:
+        if key in saved and key in wanted and saved[key] != wanted[key]:
+            raise CheckpointError(
+                f"{plan.root / plan.tag} holds a model with {key}={saved[key]!r}, but --model "
+                f"{model} has {key}={wanted[key]!r}; resume with the model it was trained with, "
+                "or start a new run in another --out (or --resume never)"
+            )
 
 
 def check_launch_env(world: int) -> None:
@@ -159,6 +304,17 @@ def check_model(settings: Settings, model_cfg, manifest, stages: int, cfg_path: 
             f"--attention explicit: {settings.model} is a {kind} model; the explicit kernel is our "
             "model's (presets, our exports, Llama folders). Drop the flag"
         )
+    if settings.doc_mask and not ours:
+        raise ConfigError(
+            f"--doc-mask: {settings.model} is a {kind} model; document masking is our model's "
+            "(presets, our exports, Llama folders): transformers' SDPA models ignore document "
+            "boundaries in position_ids. Drop the flag"
+        )
+    if settings.doc_mask and stages > 1:
+        raise ConfigError(
+            f"{cfg_path}: --doc-mask does not reach the pipeline's stages (only hidden states "
+            "travel between them); drop --doc-mask or use a non-pipeline config"
+        )
     if getattr(model_cfg, "vocab_size", manifest.vocab_size) < manifest.vocab_size:
         raise ConfigError(
             f"--model {settings.model}: its vocabulary has {model_cfg.vocab_size} tokens but the data in "
@@ -186,12 +342,56 @@ def check_model(settings: Settings, model_cfg, manifest, stages: int, cfg_path: 
 
 
 def model_config(spec: str, vocab_size: int):
-    """The model's config without building it (presets and folders), for early checks."""
-    path = Path(spec)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"--model {spec}: folder has no config.json, so it holds no model")
-        return AutoConfig.from_pretrained(path)
-    if "/" in spec or spec.startswith("."):
-        raise ModelError(f"--model {spec}: no such folder")
-    return get_config(spec, vocab_size=vocab_size)
+    """The model's config without building it (presets, folders and hub names), for early checks."""
+    if "/" not in spec and not spec.startswith(".") and not Path(spec).is_dir():
+        return get_config(spec, vocab_size=vocab_size)
+    path = resolve_pretrained(spec)  # a hub name: its snapshot in the HF cache, fetched if need be
+    if not (path / "config.json").is_file():
+        raise ModelError(f"--model {spec}: folder has no config.json, so it holds no model")
+    safe_load.check_model_folder(path)  # pickled weights that could run code when loaded
+    try:
+        json.loads((path / "config.json").read_text())
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelError(f"--model {spec}: config.json cannot be read ({why})") from None
+    check_weight_shapes(spec, path, config)
+    return config
+
+
+def check_weight_shapes(spec: str, path: Path, config) -> None:
+    """The shapes in the folder's safetensors headers (no tensor is read) against the model its
+    config.json describes, built on the meta device."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from models import ZeroStackForCausalLM, from_llama_config, from_llama_state_dict
+
+    llama = config.model_type == "llama"
+    with torch.device("meta"):
+        if llama or config.model_type == "zerostack":
+            ours = from_llama_config(config) if llama else config
+            model = ZeroStackForCausalLM(ours)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for key in sf.keys():
+                found[key] = torch.empty(sf.get_slice(key).get_shape(), device="meta")
+    found = from_llama_state_dict(found) if llama else found
+    for name, tensor in found.items():
+        if name in expected and expected[name] != tuple(tensor.shape):
+            raise ModelError(
+                f"--model {spec}: weight {name} has shape {list(tensor.shape)} but config.json "
+                f"gives {list(expected[name])}; the weights and config.json are of different models"
+            )
+    if found and not set(found) & set(expected):
+        raise ModelError(
+            f"--model {spec}: none of its weights belong to the model its config.json describes"
+        )

@@ -29,6 +29,7 @@ from training.memory import plan as memory_plan  # noqa: E402
 from training.runtime import distributed  # noqa: E402
 from training.settings import ds_config  # noqa: E402
 from training.settings.flags import Settings  # noqa: E402
+from training.settings.hparams import DEFAULTS as D  # noqa: E402
 
 
 def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
@@ -45,7 +46,7 @@ def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
         "deepspeed",
         model=net,
         ds_config=ds_cfg,
-        optimizer=OptimizerConfig(s.lr, (s.beta1, s.beta2), s.eps, s.weight_decay),
+        optimizer=OptimizerConfig(D["lr"], (D["beta1"], D["beta2"]), D["eps"], D["weight_decay"]),
         device=dist.device,
         precision=ds_config.precision(ds_cfg),
     )

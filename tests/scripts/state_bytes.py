@@ -25,6 +25,7 @@ from training.engines.construct import build_for_engine  # noqa: E402
 from training.runtime import distributed  # noqa: E402
 from training.settings import ds_config  # noqa: E402
 from training.settings.flags import Settings  # noqa: E402
+from training.settings.hparams import DEFAULTS as D  # noqa: E402
 
 
 def measure(name: str, data: str, model_dir: str, dist) -> dict:
@@ -48,7 +49,7 @@ def measure(name: str, data: str, model_dir: str, dist) -> dict:
         backend,
         model=model,
         ds_config=ds_cfg,
-        optimizer=OptimizerConfig(s.lr, (s.beta1, s.beta2), s.eps, s.weight_decay),
+        optimizer=OptimizerConfig(D["lr"], (D["beta1"], D["beta2"]), D["eps"], D["weight_decay"]),
         device=dist.device,
         precision=ds_config.precision(ds_cfg),
     )

@@ -1,9 +1,12 @@
 """One rule for a run's settings.
 
 Values come from the DeepSpeed JSON file first; then the CLI flags that name a key override it
-(`FLAG_KEYS` says which); then every "auto" is resolved; then the batch triplet
+(`FLAG_KEYS` says which; the optimizer's numbers and the schedule follow the same rule in
+hparams.py); then every "auto" is resolved; then the batch triplet
 `train_batch_size = micro_batch x grad_accum x data_parallel_world` is derived and checked here
-and nowhere else. Every failure is a `ConfigError` with one line naming the file and key.
+and nowhere else. Every key is applied or refused (sections.py), and the sections DeepSpeed
+models are run through its own classes before any rank starts. Every failure is a
+`ConfigError` with one line naming the file and key.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import ConfigError
+from training.settings import hparams, sections
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"  # the shipped configs
 
@@ -90,6 +94,31 @@ FLAG_KEYS = {
 
 DEFAULT_MICRO_BATCH = 4
 
+# Every "auto" the trainer knows how to fill (resolve below; the scheduler's in hparams.py).
+AUTO_KEYS = {
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "optimizer.params.lr",
+    "optimizer.params.betas",
+    "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+    "scheduler.params.total_num_steps",
+    "scheduler.params.warmup_num_steps",
+    "scheduler.params.warmup_max_lr",
+    "scheduler.params.warmup_min_lr",
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.allgather_bucket_size",
+    "bf16.enabled",
+    "fp16.enabled",
+    "zero_optimization.offload_optimizer.nvme_path",
+    "zero_optimization.offload_param.nvme_path",
+    "zero_optimization.offload_param.buffer_size",
+}
+
 
 def load_json(path: str | Path) -> dict:
     """Read a JSON config; one line on a missing file or bad JSON."""
@@ -152,10 +181,8 @@ def resolve(
     `flags` holds the trainer's values (argparse dests); a None value means "not given".
     `device_type` is the accelerator's ("cpu", "cuda", ...): some defaults depend on it.
     Returns a new dict ready for `deepspeed.initialize` (no "auto" left anywhere)."""
-    cfg = check_keys(copy.deepcopy(cfg), source)
-    for flag, key in FLAG_KEYS.items():
-        if flags.get(flag) is not None:
-            cfg[key] = flags[flag]
+    cfg = precheck(cfg, flags=flags, source=source, device_type=device_type)
+    optimizer = hparams.resolve_optimizer(cfg, flags, flags.get("backend", "deepspeed"), source)
 
     _resolve_pipeline(cfg, flags, source)
     precision(cfg, source)  # refuses fp16 + bf16 together
@@ -170,10 +197,10 @@ def resolve(
     # Settings the trainer owns, written into DeepSpeed's sections where they are "auto".
     autos = {
         "gradient_clipping": flags.get("grad_clip_default", 1.0),
-        "optimizer.params.lr": flags.get("lr"),
-        "optimizer.params.betas": [flags.get("beta1"), flags.get("beta2")],
-        "optimizer.params.eps": flags.get("eps"),
-        "optimizer.params.weight_decay": flags.get("weight_decay"),
+        "optimizer.params.lr": optimizer["lr"],
+        "optimizer.params.betas": optimizer["betas"],
+        "optimizer.params.eps": optimizer["eps"],
+        "optimizer.params.weight_decay": optimizer["weight_decay"],
         "zero_optimization.reduce_bucket_size": reduce_bucket_size(cfg, hidden_size, device_type),
         "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
         "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
@@ -190,7 +217,43 @@ def resolve(
         if path not in autos or autos[path] is None or autos[path] == [None, None]:
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
         _set(cfg, path, autos[path])
+    hparams.resolve_schedule(cfg, flags, optimizer["lr"], flags.get("steps", 1), source)
+    return cfg
 
+
+def hyperparameters(cfg: dict, flags: dict[str, Any], source: str = "config") -> tuple[dict, dict]:
+    """From a resolved config: the optimizer's {lr, betas, eps, weight_decay} and the schedule's
+    fields (training/loop/schedule.py `Schedule`), by the same rule `resolve` applied."""
+    cfg = copy.deepcopy(cfg)
+    optimizer = hparams.resolve_optimizer(cfg, flags, flags.get("backend", "deepspeed"), source)
+    schedule = hparams.resolve_schedule(cfg, flags, optimizer["lr"], flags["steps"], source)
+    return optimizer, schedule
+
+
+def activation_checkpointing(cfg: dict, flags: dict[str, Any]) -> bool:
+    """--activation-checkpointing, or an activation_checkpointing section in the config."""
+    return bool(flags.get("activation_checkpointing")) or "activation_checkpointing" in cfg
+
+
+def precheck(cfg: dict, *, flags: dict[str, Any], source: str, device_type: str) -> dict:
+    """What can be checked of a config before the model and data are known: its keys, the flags
+    that override them, DeepSpeed's own models, and that every key is applied. Returns a copy
+    with the flags applied."""
+    cfg = check_keys(copy.deepcopy(cfg), source)
+    for flag, key in FLAG_KEYS.items():
+        if flags.get(flag) is not None:
+            cfg[key] = flags[flag]
+    backend = flags.get("backend", "deepspeed")
+    sections.check_stage(cfg, source)
+    sections.validate_with_deepspeed(cfg, source)
+    sections.check_applied(
+        cfg, backend=backend, steps=flags.get("steps", 1), device_type=device_type, source=source
+    )
+    for path, _value in _auto_paths(cfg):
+        if path not in AUTO_KEYS:
+            raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
+    hparams.resolve_optimizer(copy.deepcopy(cfg), flags, backend, source)
+    hparams.resolve_schedule(copy.deepcopy(cfg), flags, 1e-3, flags.get("steps", 1), source)
     return cfg
 
 
@@ -243,7 +306,7 @@ def _resolve_pipeline(cfg: dict, flags: dict[str, Any], source: str) -> None:
             f"{source}: pipeline.activation_checkpoint_interval must be a whole number of "
             f"layers (0: off), got {interval!r}"
         )
-    if flags.get("activation_checkpointing") and stages > 1 and interval == 0:
+    if activation_checkpointing(cfg, flags) and stages > 1 and interval == 0:
         pipe["activation_checkpoint_interval"] = 1
     cfg["pipeline"] = pipe
 

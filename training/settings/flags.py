@@ -3,9 +3,15 @@ and help, and `parser()` is generated from them. What a component needs is taken
 train.py and handed over as that component's own small config; nothing below train.py reads a
 `Settings`.
 
-A field's flag is `--` plus its name with `_` as `-`; `aliases` adds spellings. A `bool` field
+A field's flag is `--` plus its name with `_` as `-`; `aliases` adds spellings (DeepSpeed's and
+HF Trainer's where they mean the same thing: README, "Flags from HF Trainer"). A `bool` field
 whose default is False is a switch (`--compile`); one whose default is True also gets its
-`--no-` form (`--no-fsdp-reshard-after-forward`).
+`--no-` form (`--no-fsdp-reshard-after-forward`). No prefix of a flag is accepted
+(`allow_abbrev=False`): a new flag can never change what an old command line means.
+
+The optimizer's numbers and the schedule default to None, "not given": a value given on the
+command line wins over the DeepSpeed JSON's, which wins over the default the help names
+(training/settings/hparams.py applies that rule).
 """
 
 from __future__ import annotations
@@ -32,33 +38,70 @@ class Settings:
     backend: str = flag("deepspeed", choices=["deepspeed", "ddp", "fsdp"])
     ds_config: str | None = flag(
         None,
-        "DeepSpeed JSON (default ds_configs/zero2.json; ddp/fsdp read its batch, precision and "
-        "clipping, default ds_configs/zero0.json)",
-        aliases=["--ds-config", "--deepspeed_config"],
+        "DeepSpeed JSON (default ds_configs/zero2.json; ddp/fsdp read its batch, precision, "
+        "clipping, optimizer and scheduler, default ds_configs/zero0.json). Also spelled "
+        "--ds_config, --deepspeed_config, --deepspeed X and --deepspeed --deepspeed_config X",
+        aliases=["--ds_config", "--deepspeed_config"],
     )
-    data: str = flag(help="a folder written by `python -m data.prepare`")
+    data: str = flag(
+        help="a folder written by `python -m data.prepare`, or a weighted mixture A:0.7,B:0.3"
+    )
     model: str = flag("small", "preset name, or a local HF model folder")
-    out: str = flag(help="run folder (resumes if it holds checkpoints)")
+    out: str = flag(help="run folder (resumes if it holds checkpoints)", aliases=["--output_dir"])
     seq_len: int = flag(256)
-    steps: int = flag(200, "optimizer steps in total")
-    micro_batch: int | None = flag(None, "overrides train_micro_batch_size_per_gpu")
-    grad_accum: int | None = flag(None, "overrides gradient_accumulation_steps")
+    steps: int = flag(200, "optimizer steps in total", aliases=["--max_steps"])
+    micro_batch: int | None = flag(
+        None, "overrides train_micro_batch_size_per_gpu", aliases=["--per_device_train_batch_size"]
+    )
+    grad_accum: int | None = flag(
+        None, "overrides gradient_accumulation_steps", aliases=["--gradient_accumulation_steps"]
+    )
     global_batch: int | None = flag(None, "overrides train_batch_size")
-    grad_clip: float | None = flag(None, "overrides gradient_clipping")
-    lr: float = flag(1e-3)
-    min_lr_ratio: float = flag(0.1)
-    warmup: int = flag(20)
-    weight_decay: float = flag(0.1)
-    beta1: float = flag(0.9)
-    beta2: float = flag(0.95)
-    eps: float = flag(1e-8)
+    grad_clip: float | None = flag(
+        None, "overrides gradient_clipping (0: no clipping)", aliases=["--max_grad_norm"]
+    )
+    lr: float | None = flag(
+        None,
+        "peak learning rate (default: the config's optimizer.params.lr or scheduler's "
+        "warmup_max_lr, else 1e-3)",
+        aliases=["--learning_rate"],
+    )
+    min_lr_ratio: float | None = flag(
+        None, "the cosine's floor, as a fraction of --lr (default: cos_min_ratio, else 0.1)"
+    )
+    warmup: int | None = flag(
+        None,
+        "warmup steps (default: the config's scheduler.params.warmup_num_steps, else 20)",
+        aliases=["--warmup_steps"],
+    )
+    weight_decay: float | None = flag(
+        None,
+        "AdamW weight decay on matrices (default: optimizer.params.weight_decay, else 0.1)",
+        aliases=["--weight_decay"],
+    )
+    beta1: float | None = flag(
+        None, "AdamW beta1 (default: optimizer.params.betas[0], else 0.9)", aliases=["--adam_beta1"]
+    )
+    beta2: float | None = flag(
+        None,
+        "AdamW beta2 (default: optimizer.params.betas[1], else 0.95)",
+        aliases=["--adam_beta2"],
+    )
+    eps: float | None = flag(
+        None, "AdamW epsilon (default: optimizer.params.eps, else 1e-8)", aliases=["--adam_epsilon"]
+    )
     seed: int = flag(1234)
-    log_every: int = flag(10)
-    eval_every: int = flag(100, "0: only at the end")
+    log_every: int = flag(10, aliases=["--logging_steps"])
+    eval_every: int = flag(100, "0: only at the end", aliases=["--eval_steps"])
     eval_samples: int = flag(64, "validation windows per evaluation")
-    save_every: int = flag(100, "0: only at the end; -1: never")
-    keep_last: int = flag(3)
-    activation_checkpointing: bool = flag(False)
+    save_every: int = flag(100, "0: only at the end; -1: never", aliases=["--save_steps"])
+    keep_last: int = flag(3, "checkpoints to keep, newest first (0: keep all)")
+    activation_checkpointing: bool = flag(
+        False,
+        "recompute each block in backward (also turned on by the config's "
+        "activation_checkpointing section)",
+        aliases=["--gradient_checkpointing"],
+    )
     compile: bool = flag(
         False, "torch.compile the model in place (fuses the elementwise work; first steps compile)"
     )
@@ -67,6 +110,11 @@ class Settings:
         "attention kernel of our model: SDPA, or softmax(QK^T)V written out (faster on CPUs at "
         "short sequences); auto: explicit on a CPU up to --seq-len 512, else sdpa",
         choices=["auto", "sdpa", "explicit"],
+    )
+    doc_mask: bool = flag(
+        False,
+        "document-aware packing: attention stays inside each document of a window (documents end "
+        "at the data's EOS) and positions restart per document; our model only, no pipeline",
     )
     pipeline_stages: int | None = flag(
         None,
@@ -101,7 +149,9 @@ class Settings:
     stop_at: int | None = flag(
         None, "save and exit after this step (the schedule still spans --steps)"
     )
-    resume: str = flag("auto", "auto | never | a run or checkpoint folder")
+    resume: str = flag(
+        "auto", "auto | never | a run or checkpoint folder", aliases=["--resume_from_checkpoint"]
+    )
     universal: str = flag(
         "auto",
         "resume through a universal checkpoint: auto (when world size, ZeRO stage or pipeline "
@@ -109,9 +159,23 @@ class Settings:
         choices=["auto", "always", "never"],
     )
     peak_tflops: float | None = flag(
-        None, "per-rank peak for MFU (default: measured once and cached)"
+        None,
+        "per-rank peak for MFU (default: a GPU's vendor peak, else measured by every run on all ranks)",
     )
-    wandb: bool = flag(False, "also log to Weights & Biases (offline works)")
+    wandb: bool = flag(
+        False, "also log to Weights & Biases (offline works; needs `pip install wandb`)"
+    )
+    report_to: str | None = flag(
+        None,
+        "HF Trainer's spelling: wandb or all = --wandb; tensorboard or none = no W&B "
+        "(metrics.jsonl and TensorBoard files are always written)",
+        choices=["wandb", "tensorboard", "all", "none"],
+        aliases=["--report_to"],
+    )
+    wandb_project: str | None = flag(None, "W&B project (default zerostack)")
+    run_name: str | None = flag(
+        None, "the run's name in W&B (default: the --out folder's name)", aliases=["--run_name"]
+    )
     dist_timeout: float = flag(
         600.0, "seconds before a collective gives up (a hung rank is named after this)"
     )
@@ -125,7 +189,13 @@ class Settings:
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> Settings:
-        return cls(**vars(parser().parse_args(argv)))
+        p = parser()
+        values = vars(p.parse_args(argv))
+        if values["report_to"] in ("wandb", "all"):
+            values["wandb"] = True
+        elif values["report_to"] and values["wandb"]:
+            p.error(f"--report_to {values['report_to']} contradicts --wandb: give one of them")
+        return cls(**values)
 
     def as_flags(self) -> dict:
         """{flag dest: value}: what resolved_config.json records and the config rule reads."""
@@ -134,13 +204,13 @@ class Settings:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of training/train.py, generated from `Settings`."""
-    p = argparse.ArgumentParser(description="Train a causal LM with DeepSpeed, DDP or FSDP2.")
+    p = argparse.ArgumentParser(
+        description="Train a causal LM with DeepSpeed, DDP or FSDP2.", allow_abbrev=False
+    )
     types = typing.get_type_hints(Settings)
     for f in fields(Settings):
         meta, kind = f.metadata, _base_type(types[f.name])
         names = [f"--{f.name.replace('_', '-')}", *meta["aliases"]]
-        if f.name == "ds_config":  # the DeepSpeed spelling first, as users know it
-            names = ["--ds_config", *meta["aliases"]]
         kw: dict = {"dest": f.name, "help": argparse.SUPPRESS if meta["hidden"] else meta["help"]}
         if f.default is MISSING:
             kw["required"] = True
@@ -152,8 +222,35 @@ def parser() -> argparse.ArgumentParser:
             kw["type"] = kind
             if meta["choices"]:
                 kw["choices"] = meta["choices"]
+        if f.name == "ds_config":
+            kw["action"] = _OneConfig
         p.add_argument(*names, **kw)
+    # DeepSpeed's own form (deepspeed.add_config_arguments, Megatron-DeepSpeed): `--deepspeed`
+    # as a switch beside `--deepspeed_config X`, or `--deepspeed X` naming the file.
+    p.add_argument(
+        "--deepspeed",
+        dest="ds_config",
+        nargs="?",
+        const=None,
+        default=argparse.SUPPRESS,
+        action=_OneConfig,
+        help="DeepSpeed's spelling: a switch (the config comes from --deepspeed_config) or the "
+        "config file itself",
+    )
     return p
+
+
+class _OneConfig(argparse.Action):
+    """The config file, under any of its spellings; two different files is an error, not a
+    silent "last one wins"."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if value is None:  # the bare `--deepspeed` switch
+            return
+        given = getattr(namespace, self.dest, None)
+        if given is not None and given != value:
+            parser.error(f"{option_string} {value}: the DeepSpeed config is already {given}")
+        setattr(namespace, self.dest, value)
 
 
 def _base_type(t) -> type:
