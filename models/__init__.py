@@ -13,11 +13,13 @@ from models.hf_adapter import (
     to_llama_config,
     to_llama_state_dict,
 )
+from models.hub import resolve_pretrained
 from models.llama import (
     ZeroStackForCausalLM,
     causal_lm_loss,
     pick_attention_kernel,
     set_attention_kernel,
+    set_document_mask,
 )
 from models.pipeline import (
     model_state_dict_to_pipeline,
@@ -43,8 +45,10 @@ __all__ = [
     "pick_attention_kernel",
     "pipeline_loss",
     "pipeline_state_dict_to_model",
+    "resolve_pretrained",
     "save_llama",
     "set_attention_kernel",
+    "set_document_mask",
     "to_llama_config",
     "to_llama_state_dict",
 ]

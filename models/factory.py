@@ -1,8 +1,9 @@
-"""build_model: a preset name or a local folder -> a model the trainer can train.
+"""build_model: a preset name, a local folder or a hub name -> a model the trainer can train.
 
 Folders: our own `save_pretrained` output, an exported (or any compatible) `LlamaForCausalLM` folder, which is
 loaded into our class through the adapter, or any other `AutoModelForCausalLM` folder (GPT-2, Qwen2, ...). A
-folder with a config.json and no weights builds that architecture freshly initialised.
+folder with a config.json and no weights builds that architecture freshly initialised. A hub name
+(`org/name[@revision]`) is the folder `models/hub.py` fetches it into (the HF cache; offline from it).
 
 The model knows nothing of the engine that will train it. An engine that partitions parameters while the model
 is built (DeepSpeed ZeRO-3) builds it inside its own construction context and hands `build_model` a
@@ -12,6 +13,7 @@ is built (DeepSpeed ZeRO-3) builds it inside its own construction context and ha
 import contextlib
 import glob
 import os
+import pickle
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -21,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.errors import ModelError
 from models.hf_adapter import from_llama_config, from_llama_state_dict
+from models.hub import is_hub_name, resolve_pretrained
 from models.llama import ZeroStackForCausalLM
 from models.presets import PRESETS, get_config
 
@@ -42,7 +45,7 @@ def build_model(
     partitioned: Partitioned | None = None,
     dtype: torch.dtype | None = None,
 ) -> PreTrainedModel:
-    """Build the model named by spec: a preset (see PRESETS) or a local folder.
+    """Build the model named by spec: a preset (see PRESETS), a local folder or a hub name.
 
     vocab_size: the data tokenizer's vocabulary. It replaces a preset's; a folder's model is resized only when
         its own vocabulary is smaller (larger, padded vocabularies are kept).
@@ -62,13 +65,14 @@ def build_model(
         base_seed = int(torch.randint(0, 2**62, (1,)).item())
         model = ZeroStackForCausalLM._from_config(get_config(spec, **overrides), dtype=dtype)
         seeded_init(model, base_seed, partitioned)
-    elif os.path.isdir(spec):
-        model = _from_folder(spec, overrides, dtype, partitioned)
+    elif os.path.isdir(spec) or is_hub_name(spec):
+        model = _from_folder(str(resolve_pretrained(spec)), overrides, dtype, partitioned)
         if vocab_size is not None and vocab_size > model.config.vocab_size:
             model.resize_token_embeddings(vocab_size)
     else:
         raise ModelError(
-            f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}) and not a folder"
+            f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}), a folder or a hub "
+            "name (org/name)"
         )
 
     return model
@@ -127,6 +131,17 @@ def _from_folder(
         raise ModelError(f"folder {path} holds no causal LM: {str(e).splitlines()[0]}") from None
 
 
+def _load_pickled(f: str) -> dict:
+    """A pickled weights file, tensors only: weights_only refuses anything that could run code."""
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ModelError(
+            f"{f}: refusing to load it: it is not plain tensors (unpickling it could run code; "
+            f"{str(e).strip().splitlines()[0]})"
+        ) from None
+
+
 def _load_llama_weights(model: nn.Module, path: str, partitioned: Partitioned | None) -> None:
     """Copy a Llama folder's weights into our model, one parameter at a time (gathered under ZeRO-3)."""
     from safetensors import safe_open
@@ -147,7 +162,7 @@ def _load_llama_weights(model: nn.Module, path: str, partitioned: Partitioned | 
     else:
         sd = {}
         for f in sorted(glob.glob(os.path.join(path, "*.bin"))):
-            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+            sd.update(_load_pickled(f))
         where = from_llama_state_dict(sd)
 
         def read(name):

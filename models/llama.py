@@ -188,6 +188,18 @@ def set_attention_kernel(model: nn.Module, kernel: str) -> int:
     return len(layers)
 
 
+def set_document_mask(model: nn.Module, separator: int | None) -> None:
+    """Make our model treat `separator` (the data's EOS) as the end of a document in its training
+    windows: attention stays inside each document and rotary positions restart at each; None
+    turns it off. Windows with padding, a kv cache or given position_ids keep the usual causal
+    path, so generate() is unchanged. Raises ValueError for a model that is not ours."""
+    if not isinstance(model, ZeroStackForCausalLM):
+        raise ValueError(
+            f"document masking is zerostack's model's; {type(model).__name__} does not have it"
+        )
+    model.document_separator = separator
+
+
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
 
@@ -235,6 +247,28 @@ def _attention_mask(
         # A padding query with no visible key would make SDPA return NaN; let it see itself (its output is unused).
         mask = mask | (k_pos[None, :] == q_pos[:, None])
     return mask
+
+
+def document_positions(
+    input_ids: torch.Tensor, separator: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document index, position within its document) of every token of packed windows (batch, seq)
+    in which `separator` (the data's EOS) ends each document. The separator belongs to the document
+    it ends; the token after it starts the next one at position 0.
+    E.g. ids [a, b, EOS, c, EOS, d] -> documents [0, 0, 0, 1, 1, 2], positions [0, 1, 2, 0, 1, 0]."""
+    ends = input_ids == separator
+    docs = ends.cumsum(-1) - ends.long()
+    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    # Where each token's document starts: one past the last separator before it (0 for none).
+    after_end = F.pad(torch.where(ends, index + 1, 0)[..., :-1], (1, 0))
+    return docs, index - after_end.cummax(-1).values
+
+
+def document_mask(docs: torch.Tensor) -> torch.Tensor:
+    """Boolean (batch, 1, seq, seq) mask, True = attend: causal, and within the query's document."""
+    t = docs.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=docs.device).tril_()
+    return (docs[:, :, None] == docs[:, None, :]).unsqueeze(1) & causal
 
 
 class _CrossEntropyGradInForward(torch.autograd.Function):
@@ -318,6 +352,8 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = _linear(config.hidden_size, config.vocab_size, config.initializer_range)
+        # Token id that ends documents in packed windows, or None: set_document_mask(); not config.
+        self.document_separator: int | None = None
         self.post_init()  # initialises weights through _init_weights and ties output to tok_embeddings if asked
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -353,8 +389,10 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         attention_mask (batch, past + seq) of 1/0 marks padding; without it, or when it is all ones, no mask
         is built and SDPA runs with its causal flag. `use_cache=True` (what generate passes) returns a
         DynamicCache; it is off by default so training never keeps one. `logits_to_keep=n` computes logits
-        for the last n positions only. Other keyword arguments from HF callers (return_dict,
-        output_attentions, ...) are ignored, except `ignore_index` and `num_items_in_batch` for the loss.
+        for the last n positions only. After `set_document_mask(model, eos_id)`, a window without padding,
+        cache or position_ids attends within each of its documents only. Other keyword arguments from HF
+        callers (return_dict, output_attentions, ...) are ignored, except `ignore_index` and
+        `num_items_in_batch` for the loss.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -367,13 +405,20 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         past_len = cache.get_seq_length() if cache is not None else 0
 
         dtype = compute_dtype(h)
-        if position_ids is None:
+        mask = _attention_mask(attention_mask, t, past_len, h.device)
+        packed = self.document_separator is not None and input_ids is not None
+        if packed and cache is None and mask is None and position_ids is None:
+            # Packed documents (training): each attends to itself only, from position 0.
+            docs, position_ids = document_positions(input_ids, self.document_separator)
+            mask = document_mask(docs)
+            cos, sin = rope_cos_sin(self.config, t, h.device, dtype)  # positions are below t
+            cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
+        elif position_ids is None:
             cos, sin = rope_cos_sin(self.config, past_len + t, h.device, dtype)
             cos, sin = cos[past_len:], sin[past_len:]
         else:
             cos, sin = rope_cos_sin(self.config, int(position_ids.max()) + 1, h.device, dtype)
             cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
-        mask = _attention_mask(attention_mask, t, past_len, h.device)
 
         for block in self.layers:
             # Positional arguments: reentrant checkpoint functions (DeepSpeed's) only see those.

@@ -148,7 +148,3 @@ def preset_table(seq_len: int = 1024) -> str:
             f"| {num_params(c) / 1e6:,.2f}M | {flops_per_token(c, seq_len) / 1e9:.3f} |"
         )
     return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(preset_table())
