@@ -79,10 +79,12 @@ def run_config(name: str, a, out_root: Path) -> dict:
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train"][1:]  # the first interval holds warm-up
     tps = sum(r["tokens_per_s"] for r in train) / len(train)
+    ceiling = json.loads((out / "resolved_config.json").read_text())["peak_flops_per_rank"]
     return {
         "name": name,
         "tokens_per_s": tps,
         "mfu": sum(r["mfu"] for r in train) / len(train),
+        "ceiling": ceiling,
         "peak_mem_gb": max(r["peak_mem_gb"] for r in train),
         "loss": train[-1]["loss"],
         "wall_s": time.time() - t,
@@ -98,7 +100,7 @@ sys.path.insert(0, {str(REPO)!r})
 torch.set_num_threads({threads})
 from data import BatchLoader, TokenDataset, load_manifest
 from models import build_model, flops_per_token, set_attention_kernel
-from training.runtime.flops import peak_flops
+from training.runtime.flops import measure_flops, model_shapes
 m = load_manifest({a.data!r})
 torch.manual_seed(1234)
 model = build_model({a.model!r}, vocab_size=m.vocab_size)
@@ -106,6 +108,9 @@ set_attention_kernel(model, {kernel!r})
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 ds = TokenDataset({a.data!r}, "train", {a.seq_len})
 loader = BatchLoader(ds, {a.micro_batch * a.ranks}, 0, 1, 1234)
+# This run's own ceiling, on the model's matmul shapes, with this process's threads.
+shapes = model_shapes(model.config, {a.micro_batch * a.ranks * a.seq_len})
+peak = measure_flops(torch.device("cpu"), torch.bfloat16, shapes)
 fpt = flops_per_token(model.config, {a.seq_len}, n_params=sum(p.numel() for p in model.parameters()))
 times = []
 for step in range({a.steps}):
@@ -119,8 +124,7 @@ for step in range({a.steps}):
     times.append(time.perf_counter() - t)
 tokens = {a.micro_batch * a.ranks * a.seq_len}
 tps = tokens / (sum(times[3:]) / len(times[3:]))
-peak = peak_flops(torch.device("cpu"), torch.bfloat16)
-print(json.dumps({{"tokens_per_s": tps, "mfu": tps * fpt / peak, "loss": loss.item(),
+print(json.dumps({{"tokens_per_s": tps, "mfu": tps * fpt / peak, "ceiling": peak, "loss": loss.item(),
     "peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}}))
 """
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -183,22 +187,24 @@ def write_table(rows: list[dict], a) -> None:
         f"{os.cpu_count()} cores, torch {torch.__version__}. Model `{a.model}`, sequence "
         f"{a.seq_len}, global batch {a.micro_batch * a.ranks} sequences "
         f"({a.micro_batch * a.ranks * a.seq_len} tokens) per step. DeepSpeed rows: {a.ranks} "
-        "ranks (gloo), one thread each. MFU is against the matmul peak of the run's precision "
-        "measured on this machine (training/runtime/flops.py), summed over ranks. Memory is the "
+        "ranks (gloo), one thread each. MFU is against the bf16 matmul ceiling each run measured "
+        "for itself on the model's matmul shapes (training/runtime/flops.py; the trainer's "
+        "rows: all ranks at once, summed over ranks), shown in GFLOP/s per process. Memory is the "
         "highest rank's peak RSS. Plain loops run at a constant learning rate, the trainer "
         "with warm-up and cosine decay: their final losses differ for that reason."
         + (f" Extra trainer flags: `{' '.join(a.extra)}`." if a.extra else ""),
         "",
-        "| run | tokens/s | vs plain loop | MFU | peak memory / rank (GB) | final loss |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| run | tokens/s | vs plain loop | MFU | against (GFLOP/s) | peak memory / rank (GB) | "
+        "final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | |")
             continue
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s'] / ref:.2f}x | {r['mfu']:.1%} | "
+            f"{r['tokens_per_s'] / ref:.2f}x | {r['mfu']:.1%} | {r['ceiling'] / 1e9:,.0f} | "
             f"{r['peak_mem_gb']:.2f} | {r['loss']:.3f} |"
         )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

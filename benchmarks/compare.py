@@ -30,7 +30,30 @@ if str(REPO) not in sys.path:
 
 NATIVE = ["ddp", "fsdp"]
 WARMUP_STEPS = 3  # steps left out of tokens/s (allocation, first-step setup, op caches)
-FLOORS = [("ddp", "reference", 0.95), ("zero2", "ddp", 0.95)]  # (run, against, at least x)
+FLOORS = [  # (run, against, at least x)
+    ("ddp", "reference", 0.95),
+    ("zero2", "ddp", 0.95),
+    ("zero3", "zero2", 0.95),
+    ("fsdp", "ddp", 0.95),
+    ("fsdp_hold", "fsdp", 1.0),
+]
+# `--peer`: the workload of the peer comparison (issue 17): a 16.9M Llama (`small` with 6
+# layers), sequence 256, micro-batch 8 per rank, no accumulation, 2 ranks x 1 thread, bf16;
+# the four engines and the plain one-process loop, alternated round by round.
+PEER = {
+    "model": "small",
+    "layers": 6,
+    "micro_batch": 8,
+    "grad_accum": 1,
+    "steps": 10,
+    "repeats": 2,
+    "engines": "zero2,ddp,fsdp,zero3",
+    "no_reference": True,
+    "plain": True,
+    "section": "docs/benchmarks.md",
+    "out": "runs/compare_peer",
+}
+SECTION = "## Engines side by side, against the ceiling measured in the same run"
 
 
 def ds_config_names() -> list[str]:
@@ -43,10 +66,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(a, script: str, args: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.ranks)]
+def _torchrun(
+    a, script: str, args: list[str], nproc: int = 0, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc or a.ranks)]
     cmd += ["--master_port", str(_port()), script, *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
 
 
@@ -75,23 +100,29 @@ def initial_weights(a) -> str:
     from data import load_manifest
     from models import build_model
 
-    folder = Path(a.runs) / f"init_{a.model}_seed{a.seed}"
+    layers = {"num_hidden_layers": a.layers} if a.layers else {}
+    folder = Path(a.runs) / f"init_{a.model}{a.layers or ''}_seed{a.seed}"
     if not (folder / "config.json").is_file():
         torch.manual_seed(a.seed)
-        build_model(a.model, vocab_size=load_manifest(a.data).vocab_size).save_pretrained(folder)
+        vocab = load_manifest(a.data).vocab_size
+        build_model(a.model, vocab_size=vocab, overrides=layers).save_pretrained(folder)
     return str(folder)
 
 
 def engine_flags(name: str) -> list[str]:
     if name in NATIVE:
         return ["--backend", name]
+    if name == "fsdp_hold":  # FSDP2 holding weights and gradients across micro-steps
+        return ["--backend", "fsdp"]
     return ["--ds_config", f"ds_configs/{name}.json"]
 
 
 def run_engine(name: str, a, repeat: int = 0) -> dict:
     out = Path(a.runs) / (name if repeat == 0 else f"{name}.{repeat}")
     t = time.time()
-    p = _torchrun(a, "training/train.py", [*job_flags(a), *engine_flags(name), "--out", str(out)])
+    hold = {"ZEROSTACK_FSDP_HOLD": "1" if name == "fsdp_hold" else "0"} if "fsdp" in name else {}
+    flags = [*job_flags(a), *engine_flags(name), "--out", str(out)]
+    p = _torchrun(a, "training/train.py", flags, env=hold)
     if p.returncode != 0:
         err = [x for x in (p.stderr + p.stdout).splitlines() if x.startswith("error: ")]
         reason = err[0][len("error: ") :] if err else f"exit {p.returncode}"
@@ -124,20 +155,26 @@ def summarize(run_dir: Path, name: str) -> dict:
         "precision": resolved["precision"],
         "zero_stage": resolved["ds_config"].get("zero_optimization", {}).get("stage", 0),
         "n_params": resolved["n_params"],
+        "ceiling": resolved["peak_flops_per_rank"],  # measured in this run, per rank
         "shm_all_reduce": resolved.get("shm_all_reduce", False),
         "batch_tokens": resolved["ds_config"]["train_batch_size"] * resolved["flags"]["seq_len"],
     }
 
 
 # ------------------------------------------------------------------------------ reference
-def run_reference(a, repeat: int = 0) -> dict:
-    out = Path(a.runs) / ("reference.json" if repeat == 0 else f"reference.{repeat}.json")
+def run_reference(a, repeat: int = 0, name: str = "reference") -> dict:
+    """The nanoGPT-style DDP loop on a.ranks ranks, or (`plain`) the same loop in one process
+    with every core, the whole global batch in each micro-step."""
+    out = Path(a.runs) / (f"{name}.json" if repeat == 0 else f"{name}.{repeat}.json")
     args = [*job_flags(a), "--out", str(out)]
-    p = _torchrun(a, str(Path(__file__).resolve()), ["--reference", *args])
+    nproc = 1 if name == "plain" else a.ranks
+    if name == "plain":
+        args += ["--micro-batch", str(a.micro_batch * a.ranks)]  # the last flag wins
+    p = _torchrun(a, str(Path(__file__).resolve()), ["--reference", *args], nproc=nproc)
     if p.returncode != 0:
         print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
-        return {"name": "reference", "error": f"exit {p.returncode}"}
-    return {"name": "reference", **json.loads(out.read_text())}
+        return {"name": name, "error": f"exit {p.returncode}"}
+    return {"name": name, **json.loads(out.read_text())}
 
 
 def reference(argv: list[str]) -> None:
@@ -151,8 +188,9 @@ def reference(argv: list[str]) -> None:
 
     from data import BatchLoader, TokenDataset, load_manifest
     from models import build_model, flops_per_token, pick_attention_kernel, set_attention_kernel
-    from training.runtime.flops import peak_flops
+    from training.runtime.flops import model_shapes, run_ceiling
     from training.settings.flags import Settings
+    from training.settings.hparams import DEFAULTS
 
     s = Settings.parse(argv)
     dist.init_process_group("gloo")
@@ -162,8 +200,12 @@ def reference(argv: list[str]) -> None:
     model = build_model(s.model, vocab_size=load_manifest(s.data).vocab_size)
     # the attention kernel the trainer picks, so the ratio measures the engines alone
     set_attention_kernel(model, pick_attention_kernel(s.attention, "cpu", s.seq_len))
+    # The ceiling of this run, measured as the trainer measures its own (runtime/flops.py).
+    shapes = model_shapes(model.config, s.micro_batch * s.seq_len)
+    ceiling = run_ceiling(torch.device("cpu"), torch.bfloat16, shapes).per_rank
     ddp = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay, fused=True)
+    decay = DEFAULTS["weight_decay"] if s.weight_decay is None else s.weight_decay
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=decay, fused=True)
     data = TokenDataset(s.data, "train", s.seq_len)
     loader = BatchLoader(data, s.micro_batch, rank, world, s.seed)
     times = []
@@ -185,11 +227,12 @@ def reference(argv: list[str]) -> None:
     fpt = flops_per_token(
         model.config, s.seq_len, n_params=sum(p.numel() for p in model.parameters())
     )
-    peak = peak_flops(torch.device("cpu"), torch.bfloat16) * world
+    peak = ceiling * world
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
         row = {"tokens_per_s": tps, "mfu": tps * fpt / peak, "peak_mem_gb": rss.item() / 2**30}
+        row["ceiling"] = ceiling
         Path(s.out).write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
@@ -218,6 +261,7 @@ def best_of(repeats: list[dict]) -> dict:
         **ok[0],
         "tokens_per_s": fastest["tokens_per_s"],
         "mfu": fastest["mfu"],
+        "ceiling": fastest.get("ceiling"),
         "all_tokens_per_s": [r["tokens_per_s"] for r in ok],
     }
 
@@ -247,7 +291,7 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
     """comparison.md and the two PNGs into out_dir; returns the markdown's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     by = {r["name"]: r for r in rows}
-    done = [r for r in rows if "error" not in r and r["name"] != "reference"]
+    done = [r for r in rows if "error" not in r and r["name"] not in ("reference", "plain")]
     first = done[0] if done else {}
     ddp = by.get("ddp", {}).get("tokens_per_s")
     cmd = " ".join(["python -m benchmarks.compare", *getattr(a, "argv", [])])
@@ -267,7 +311,8 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         f"Tokens/s is the median over steps {WARMUP_STEPS + 1}-{a.steps}"
         + (f", the best of {a.repeats} runs of each (run round-robin)" if a.repeats > 1 else "")
         + "; MFU is against the "
-        "matmul peak measured on this machine in the run's precision, summed over ranks. Peak "
+        "matmul ceiling each run measured for itself at its start (all ranks at once, on the "
+        "model's matmul shapes: `training/runtime/flops.py`), summed over ranks. Peak "
         "memory is the fullest rank's peak RSS on a CPU (max allocated on a GPU): it includes "
         "the Python, torch and DeepSpeed runtime, so model states show better in their own "
         "columns. Timings of the same command move by about 5% between runs, even on an idle "
@@ -365,9 +410,66 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
 
 
 def _label(name: str) -> str:
-    return {"ddp": "DDP", "fsdp": "FSDP2", "reference": "nanoGPT-style DDP (reference)"}.get(
-        name, f"DeepSpeed `{name}`"
-    )
+    return {
+        "ddp": "DDP",
+        "fsdp": "FSDP2",
+        "reference": "nanoGPT-style DDP (reference)",
+        "plain": "plain loop (1 process, all cores)",
+        "fsdp_hold": "FSDP2, weights held across micro-steps",
+    }.get(name, f"DeepSpeed `{name}`")
+
+
+def write_section(rows: list[dict], a, path: Path) -> str:
+    """The speed table as a section of `path` (SECTION, replaced when there, else appended):
+    tokens/s, the ratios, and MFU against the ceiling each run measured for itself."""
+    by = {r["name"]: r for r in rows}
+    ddp = by.get("ddp", {}).get("tokens_per_s")
+    cmd = " ".join(["python -m benchmarks.compare", *getattr(a, "argv", [])])
+    lines = [
+        SECTION,
+        "",
+        f"`{cmd}` on {machine()}, {time.strftime('%Y-%m-%d')}: model `{a.model}`"
+        + (f" with {a.layers} layers" if a.layers else "")
+        + f", sequence {a.seq_len}, micro-batch {a.micro_batch} x {a.grad_accum} accumulation "
+        f"x {a.ranks} ranks x 1 thread, bf16, {a.steps} steps, {a.repeats} rounds run "
+        "round-robin. Tokens/s: the best round's median over the steps after warm-up. MFU is "
+        "against the bf16 matmul ceiling each run measured for itself at its start, on all "
+        "ranks at once, on the model's matmul shapes (`training/runtime/flops.py`), shown "
+        "beside it; absolute numbers move with the host, the ratios of one run do not.",
+        "",
+        "| run | tokens/s | vs DDP | MFU | against (GFLOP/s per rank) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {_label(r['name'])} | not run: {r['error']} | | | |")
+            continue
+        vs = f"{r['tokens_per_s'] / ddp:.2f}x" if ddp else ""
+        lines.append(
+            f"| {_label(r['name'])} | {r['tokens_per_s']:,.0f} | {vs} | {r['mfu']:.1%} | "
+            f"{r.get('ceiling', 0) / 1e9:,.0f} |"
+        )
+    lines += ["", "Ratios, the median of each round's (runs of one round follow each other):", ""]
+    for run, against, floor in FLOORS:
+        ratio, rounds = floor_ratio(by.get(run, {}), by.get(against, {}))
+        if ratio:
+            each = ", ".join(f"{x:.3f}" for x in rounds)
+            verdict = "holds" if ratio >= floor else "MISSED"
+            lines.append(
+                f"- {_label(run)} / {_label(against)} = {ratio:.3f} (floor {floor}"
+                + (f"; rounds {each}" if each else "")
+                + f"): {verdict}"
+            )
+    section = "\n".join(lines) + "\n"
+    text = path.read_text() if path.is_file() else ""
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
+    path.write_text(text)
+    return section
 
 
 def plot_memory(rows: list[dict], path: Path) -> None:
@@ -448,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--engines",
         default=",".join(NATIVE + ds_config_names()),
-        help="comma-separated: ddp, fsdp and ds_configs names (default: all of them)",
+        help="comma-separated: ddp, fsdp, fsdp_hold (ZEROSTACK_FSDP_HOLD=1) and ds_configs "
+        "names (default: all but fsdp_hold)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")
     p.add_argument(
@@ -456,12 +559,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default="docs", help="where comparison.md and the PNGs go")
     p.add_argument("--runs", default="runs/compare", help="where the runs' folders go")
+    p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    p.add_argument("--plain", action="store_true", help="add the loop in one process, all cores")
+    p.add_argument("--section", default="", help="also write the speed table into this markdown")
+    p.add_argument(
+        "--peer",
+        action="store_true",
+        help="the peer workload: ZeRO-2/DDP/FSDP2/ZeRO-3 and the plain loop, `small` with 6 "
+        "layers, micro-batch 8, no accumulation, 2 rounds, the table into docs/benchmarks.md "
+        "(explicit flags still win)",
+    )
+    if "--peer" in argv:
+        p.set_defaults(**PEER)
     a = p.parse_args(argv)
     a.argv = _flags_worth_showing(argv)
     if a.steps <= WARMUP_STEPS:
         print(f"error: --steps must be more than {WARMUP_STEPS} (the warm-up)", file=sys.stderr)
         return 2
-    unknown = set(a.engines.split(",")) - set(NATIVE + ds_config_names())
+    unknown = set(a.engines.split(",")) - set(NATIVE + ["fsdp_hold"] + ds_config_names())
     if unknown:
         print(
             f"error: unknown engines {sorted(unknown)}; choose from ddp, fsdp, "
@@ -477,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.runs).mkdir(parents=True, exist_ok=True)
     a.init = initial_weights(a)
 
-    names = ([] if a.no_reference else ["reference"]) + a.engines.split(",")
+    names = ([] if a.no_reference else ["reference"]) + (["plain"] if a.plain else [])
+    names += a.engines.split(",")
     results: dict[str, list[dict]] = {name: [] for name in names}
     # The floors' runs go first and back to back: the host's speed drifts over minutes, and a
     # ratio is only as good as the closeness in time of its two runs.
@@ -489,8 +605,8 @@ def main(argv: list[str] | None = None) -> int:
             if results[name] and "error" in results[name][0]:
                 continue  # refused or failed: once is enough
             print(f"running {name} ({repeat + 1}/{a.repeats}) ...", flush=True)
-            if name == "reference":
-                results[name].append(run_reference(a, repeat))
+            if name in ("reference", "plain"):
+                results[name].append(run_reference(a, repeat, name))
             else:
                 results[name].append(run_engine(name, a, repeat))
     rows = [best_of(results[name]) for name in names]
@@ -498,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reference: {rows[0]}", flush=True)
     md = write_report(rows, a, Path(a.out))
     print(md.read_text())
+    if a.section:
+        print(write_section(rows, a, Path(a.section)))
     return 0
 
 

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from data import BatchLoader
+from data.mixture import parse_spec
 from training.runtime import cluster
 from training.settings import ds_config
 
@@ -31,11 +32,11 @@ def run_record(
     ranks: list[dict],
     shm: bool,
     accelerate_state: dict | None,
-    peak_flops: float,
+    ceiling,
     resume=None,
 ) -> dict:
     """What resolved_config.json holds. `facts`: the built model's n_params, flops_per_token and
-    model_config."""
+    model_config; `ceiling`: the run's matmul ceiling (runtime/flops.py: Ceiling)."""
     manifest = prepared.manifest
     layout = engine.layout()
     return {
@@ -46,7 +47,8 @@ def run_record(
         "n_params": facts["n_params"],
         "flops_per_token": facts["flops_per_token"],
         "data": {
-            "dir": str(Path(flags["data"]).resolve()),
+            "dir": str(Path(parse_spec(flags["data"])[0].folder).resolve()),  # its tokenizer
+            "spec": flags["data"],
             "source": manifest.source,
             "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None),
         },
@@ -65,7 +67,8 @@ def run_record(
         "shm_all_reduce": shm,
         "device": str(dist.device),
         "precision": prepared.precision,
-        "peak_flops_per_rank": peak_flops,
+        "peak_flops_per_rank": ceiling.per_rank,  # what MFU divides by, times world
+        "peak_flops": ceiling.as_record(),  # where that came from, each rank's probe
         "versions": versions(),
         "git_commit": git_commit(),
     }

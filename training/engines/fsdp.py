@@ -5,6 +5,15 @@ and gradients are reduced in fp32 (`MixedPrecisionPolicy`). Gradients are reduce
 every micro-step, as ZeRO-2/3 do, so only shards ever accumulate: skipping the sync would hold
 whole unsharded gradients between micro-steps, which is the memory FSDP exists to save.
 
+ZEROSTACK_FSDP_HOLD=1 trades that memory for communication on one CPU host with accumulation
+(`hold_between_micro_steps`), where every collective goes through loopback gloo: the
+micro-steps of one optimizer step keep the gathered weights and accumulate whole gradients
+locally, and the step's last micro-step reduce-scatters once (per block and step one
+all-gather and one reduce-scatter, DDP's volume, instead of two all-gathers and a
+reduce-scatter per micro-step). The losses match the sharded path. It stays opt-in until a
+quiet-host A/B (`python -m benchmarks.compare --engines ddp,fsdp,fsdp_hold`) shows it wins;
+GPUs, several hosts, CPU offload and models whose whole gradients would not fit never get it.
+
 Checkpoints go through `torch.distributed.checkpoint` (DCP): every rank writes its own shards
 and the metadata says where each piece of each tensor lives, so a checkpoint saved on N ranks
 loads on M. `load_full_state_dict` reads one back into whole fp32 tensors without any process
@@ -13,6 +22,8 @@ group, for export.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 from pathlib import Path
 
@@ -35,7 +46,9 @@ class FSDPEngine(NativeEngine):
     def __init__(self, *, reshard_after_forward: bool = True, cpu_offload: bool = False, **native):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        n_params = sum(p.numel() for p in native["model"].parameters())
         super().__init__(**native)
+        self.hold = hold_between_micro_steps(self.device, self.grad_accum, cpu_offload, n_params)
 
     def _wrap(self, model):
         if not dist.is_initialized():
@@ -50,13 +63,43 @@ class FSDPEngine(NativeEngine):
             # Shards, gradients and the optimizer step live in host memory. Pinned memory needs
             # an accelerator, so a CPU-only run does without it.
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type != "cpu")
-        for block in _blocks(model):
+        self.blocks = _blocks(model)  # before fully_shard renames their classes
+        for block in self.blocks:
             # Free a block's gathered weights after its forward (gather again for backward), or
             # keep them until backward: memory against one all-gather per block.
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kwargs)
         # The root's weights (embeddings, head) are needed first thing in backward anyway.
         fully_shard(model, reshard_after_forward=False, **kwargs)
         return model
+
+    def _no_sync(self):
+        return self._held() if self.hold else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _held(self):
+        """A non-final micro-step: keep weights gathered, accumulate whole gradients, no
+        reduce-scatter. The final micro-step runs with the settings restored, so it reshards
+        and reduce-scatters what all micro-steps accumulated."""
+        model = self.model
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        model.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
+            for block in self.blocks:
+                block.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+            model.set_reshard_after_forward(False, recurse=False)  # the root's, as wrapped
+
+    def state_bytes(self) -> dict[str, int]:
+        counts = super().state_bytes()
+        # Held micro-steps accumulate whole fp32 gradients where no parameter points to them.
+        held = sum(g.untyped_storage().nbytes() for g in _held_grads(self.model))
+        counts["grads"] += held
+        counts["total"] += held
+        return counts
 
     def _state(self) -> dict:
         """What a checkpoint holds, as DTensor shards under the model's own names."""
@@ -83,6 +126,37 @@ class FSDPEngine(NativeEngine):
         )
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def hold_between_micro_steps(
+    device: torch.device, grad_accum: int, cpu_offload: bool, n_params: int
+) -> bool:
+    """Whether micro-steps keep weights gathered and gradients whole (see the module's note):
+    asked for (ZEROSTACK_FSDP_HOLD=1), on a CPU, with accumulation, every rank on this host,
+    and the whole fp32 gradients and bf16 weights of every rank (6 bytes a parameter each)
+    within a quarter of the host's free memory (FSDP is also how a model too big for DDP
+    fits)."""
+    if os.environ.get("ZEROSTACK_FSDP_HOLD") != "1":
+        return False
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    fits = 6 * n_params * world < free / 4
+    return device.type == "cpu" and grad_accum > 1 and one_host and not cpu_offload and fits
+
+
+def _held_grads(model) -> list[torch.Tensor]:
+    """The whole gradients FSDP2 accumulates across held micro-steps (its private state: none
+    found means none counted)."""
+    out = []
+    for m in model.modules():
+        state = getattr(m, "_get_fsdp_state", lambda: None)()
+        group = getattr(state, "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", []):
+            g = getattr(fp, "unsharded_accumulated_grad", None)
+            if g is not None:
+                out.append(g)
+    return out
 
 
 def _blocks(model) -> list[torch.nn.Module]:

@@ -115,6 +115,7 @@ def run(
                 f"{layout.tag_for(state.step)}"
             )
             stop.honored = True
+            stop.signum = stop.signum or agreed.signum  # a peer's signal: say which
             return evaluator.last
         if config.stop_at and state.step >= config.stop_at:
             logger.console(f"stopping after step {state.step} (--stop-at)")
@@ -241,6 +242,7 @@ def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, log
             "grad_norm": None if math.isnan(grad_norm) else grad_norm,
             "tokens_per_s": tps,
             "mfu": tps * config.flops_per_token / config.peak_flops,
+            "mfu_peak_flops": config.peak_flops,  # against: the run's ceiling, all ranks
             "peak_mem_gb": mem / 2**30,  # the highest rank's
             "skipped": state.skipped,
             "nonfinite": state.nonfinite,

@@ -1,0 +1,108 @@
+"""MFU against a matmul ceiling measured in the same run (training/runtime/flops.py), never a
+cached one: a host's speed moves from day to day."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_RUN, launch, read_metrics
+
+from models import get_config
+from training.runtime.flops import (
+    Ceiling,
+    ceiling_drift,
+    measure_flops,
+    model_shapes,
+    run_ceiling,
+)
+
+CPU, BF16 = torch.device("cpu"), torch.bfloat16
+
+
+def test_probe_shapes_follow_the_model():
+    c = get_config("small")  # hidden 384, SwiGLU 1024, vocabulary 8192
+    shapes = model_shapes(c, tokens=8 * 256)
+    assert (1024, 384, 8192) in shapes  # the head, tokens capped at 1024 rows
+    assert (1024, 384, 1024) in shapes and (8192, 1024, 384) in shapes  # MLP, head's gradient
+    assert model_shapes(c, tokens=64)[0] == (64, 384, 384)
+
+
+def test_peak_tflops_overrides_and_cpu_has_no_vendor_peak():
+    ceiling = run_ceiling(CPU, BF16, model_shapes(get_config("tiny"), 128), override_tflops=2.5)
+    assert ceiling.per_rank == 2.5e12 and ceiling.source == "--peak-tflops"
+    assert "--peak-tflops" in ceiling.describe(BF16)
+    assert ceiling_drift(ceiling, CPU, BF16) is None  # nothing measured: nothing to re-probe
+
+
+def test_end_probe_warns_when_the_ceiling_moved():
+    shapes = model_shapes(get_config("tiny"), 128)
+    fresh = measure_flops(CPU, BF16, shapes, seconds=0.2)
+    assert fresh > 0
+    # A start ceiling 10x what the host does now: the end's probe must flag it as an interval.
+    start = Ceiling(fresh * 10, "measured", (fresh * 10,), tuple(shapes))
+    record = ceiling_drift(start, CPU, BF16)
+    assert record["kind"] == "ceiling" and record["change"] < -0.5
+    assert "WARNING" in record["warning"] and "interval" in record["warning"]
+
+
+@pytest.mark.slow
+def test_stale_cached_peak_is_ignored(tiny_data, tmp_path):
+    """A peak cached 10x too low (the old ~/.cache/zerostack/peak_flops.json) must not feed MFU:
+    the run measures its own ceiling, logs it, and its MFU divides by that."""
+    torch.set_num_threads(1)  # as each rank runs
+    shapes = model_shapes(get_config("tiny", vocab_size=512), 2 * 64)
+    fresh = measure_flops(CPU, BF16, shapes, seconds=0.5)
+    home = tmp_path / "home"
+    cache = home / ".cache" / "zerostack" / "peak_flops.json"
+    cache.parent.mkdir(parents=True)
+    stale = fresh / 10
+    cache.write_text(json.dumps({"any": stale}))  # what the old cache held, 10x too low
+    out = tmp_path / "run"
+    args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "3"]
+    # DeepSpeed's built ops stay where they are (a fresh HOME would rebuild them: a minute).
+    ops = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache/torch_extensions")
+    env = {"HOME": str(home), "TORCH_EXTENSIONS_DIR": ops, "OMP_NUM_THREADS": "1"}
+    launch([*args, "--save-every", "-1"], env=env)
+
+    record = json.loads((out / "resolved_config.json").read_text())
+    peak = record["peak_flops"]
+    assert peak["source"] == "measured" and len(peak["ranks_flops"]) == 2
+    assert record["peak_flops_per_rank"] == pytest.approx(sum(peak["ranks_flops"]) / 2)
+    assert record["peak_flops_per_rank"] > 3 * stale  # fresh, not the planted value
+    start, end = read_metrics(out, "ceiling")
+    assert start["when"] == "start" and "MFU against" in start["note"]
+    assert end["when"] == "end" and end["per_rank_flops"] > 0  # a warning if the host moved
+    assert ("warning" in end) == (abs(end["change"]) > 0.10)
+    for row in read_metrics(out):
+        against = record["peak_flops_per_rank"] * 2
+        assert row["mfu_peak_flops"] == pytest.approx(against)
+        assert row["mfu"] == pytest.approx(
+            row["tokens_per_s"] * record["flops_per_token"] / against
+        )
+        assert 0 < row["mfu"] <= 1
+
+
+@pytest.mark.slow
+def test_fsdp_hold_across_micro_steps_trains_alike(tiny_data, tmp_path):
+    """The one-CPU-host speed lever of issue 17 (engines/fsdp.py, ZEROSTACK_FSDP_HOLD=1):
+    weights held gathered and whole gradients accumulated across micro-steps, one
+    reduce-scatter per step. Same losses and gradient norms as the sharded path, and the whole
+    gradients it holds are counted in the model states. (Belongs with tests/test_engines.py.)"""
+    runs = {}
+    for hold in ("0", "1"):
+        out = tmp_path / f"hold{hold}"
+        args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "4"]
+        args += ["--backend", "fsdp", "--grad-accum", "3", "--save-every", "-1"]
+        launch(args, env={"ZEROSTACK_FSDP_HOLD": hold, "OMP_NUM_THREADS": "1"})
+        runs[hold] = out
+    sharded, held = (read_metrics(runs[h]) for h in ("0", "1"))
+    assert [r["loss"] for r in held] == pytest.approx([r["loss"] for r in sharded], rel=1e-6)
+    assert [r["grad_norm"] for r in held] == pytest.approx(
+        [r["grad_norm"] for r in sharded], rel=1e-5
+    )
+    (s,), (h,) = (read_metrics(runs[k], "state_bytes") for k in ("0", "1"))
+    assert h["grads_bytes"] == pytest.approx(2 * s["grads_bytes"], rel=0.02)  # whole, not halves
