@@ -1,5 +1,7 @@
 """Validation: loss averaged over every rank's share of a fixed validation set, perplexity and
-bits per byte (so runs with different tokenizers compare)."""
+bits per byte (so runs with different tokenizers compare). For a data mixture, each source's
+validation set is evaluated on its own (`val_loss/NAME`, `bpb/NAME`) and the mixture's figures
+are those of its weights: the loss and the bytes per token the training mix would see."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from data import eval_batches
+from data import Mixture, eval_batches
+from data.manifest import small_val_warning
 
 
 def evaluate(
@@ -21,18 +24,36 @@ def evaluate(
     max_samples: int | None,
     device: torch.device,
 ) -> dict:
-    """Returns {"val_loss", "ppl", "bpb"}; every rank must call it (ZeRO-3 forwards gather)."""
+    """Returns {"val_loss", "ppl", "bpb"}, plus "val_loss/NAME" and "bpb/NAME" for each source
+    of a Mixture (`max_samples` windows each); every rank must call it (ZeRO-3 forwards gather)."""
+    if not isinstance(val_dataset, Mixture):
+        loss = _mean_loss(engine, val_dataset, micro_batch, rank, world, max_samples, device)
+        return _figures(loss, val_dataset.bytes_per_token)
+    out, mix_loss, mix_bpt = {}, 0.0, 0.0
+    for part, ds in val_dataset.sources():
+        loss = _mean_loss(engine, ds, micro_batch, rank, world, max_samples, device)
+        out[f"val_loss/{part.name}"] = loss
+        out[f"bpb/{part.name}"] = _figures(loss, ds.bytes_per_token)["bpb"]
+        mix_loss += float(part.weight) * loss
+        mix_bpt += float(part.weight) * ds.bytes_per_token
+    return {**_figures(mix_loss, mix_bpt), **out}
+
+
+def _mean_loss(engine, dataset, micro_batch, rank, world, max_samples, device) -> float:
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, batches
-    for x, y in eval_batches(val_dataset, micro_batch, rank, world, max_samples=max_samples):
+    for x, y in eval_batches(dataset, micro_batch, rank, world, max_samples=max_samples):
         loss = engine.eval_loss(x.to(device), y.to(device))
         total[0] += loss.double()
         total[1] += 1
     engine.train()
     if dist.is_initialized() and world > 1:
         dist.all_reduce(total)
-    val_loss = (total[0] / total[1].clamp(min=1)).item()
-    bpb = val_loss / math.log(2) / val_dataset.bytes_per_token
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def _figures(val_loss: float, bytes_per_token: float) -> dict:
+    bpb = val_loss / math.log(2) / bytes_per_token
     return {"val_loss": val_loss, "ppl": math.exp(min(val_loss, 50.0)), "bpb": bpb}
 
 
@@ -43,6 +64,9 @@ class Evaluator:
         self.engine, self.val_dataset, self.logger = engine, val_dataset, logger
         self.micro_batch, self.max_samples, self.device = micro_batch, max_samples, device
         self.last: dict = {}  # the latest result
+        sets = val_dataset.datasets if isinstance(val_dataset, Mixture) else [val_dataset]
+        for warning in filter(None, (small_val_warning(d.manifest) for d in sets)):
+            logger.console(warning)  # the figures below come from a small sample
 
     def __call__(self, step: int) -> dict:
         self.last = evaluate(

@@ -22,6 +22,7 @@ class RunLogger:
         wandb: bool = False,
         run_name: str | None = None,
         config: dict | None = None,
+        wandb_project: str | None = None,
     ):
         self.enabled = enabled
         self.run_dir = run_dir
@@ -29,23 +30,21 @@ class RunLogger:
         self._jsonl = None
         if not enabled:
             return
-        # A resumed run adds to its history; a run from step 0 starts a new one (an earlier run
-        # left in the folder would otherwise mix into every reader's numbers).
-        mode = "a" if start_step > 0 else "w"
-        self._jsonl = open(run_dir / "metrics.jsonl", mode, buffering=1)
+        # A resumed run adds to its history, less the steps it is about to redo; a run from
+        # step 0 starts a new one (an earlier run left in the folder would otherwise mix into
+        # every reader's numbers).
+        dropped = keep_records_up_to(run_dir / "metrics.jsonl", start_step) if start_step else 0
+        self._jsonl = open(run_dir / "metrics.jsonl", "a" if start_step > 0 else "w", buffering=1)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # purge_step hides the redone steps' events that an earlier launch wrote.
+            purge = start_step + 1 if start_step > 0 else None
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
         except ImportError:  # tensorboard is optional at run time
             self._tb = None
         if wandb:
-            import wandb as wb  # optional: only with --wandb
-
-            os.environ.setdefault("WANDB_DIR", str(run_dir))
-            self._wandb = wb.init(
-                project="zerostack", name=run_name or run_dir.name, config=config, dir=str(run_dir)
-            )
+            self._wandb = _start_wandb(run_dir, wandb_project, run_name, config)
         from tqdm.auto import tqdm  # rank 0 only
 
         self._bar = tqdm(
@@ -55,25 +54,28 @@ class RunLogger:
             dynamic_ncols=True,
             disable=not _tty(),
         )
+        if dropped:
+            self.console(
+                f"metrics.jsonl: {dropped} lines after step {start_step} dropped (this run "
+                "redoes those steps)"
+            )
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         record = {"time": round(time.time(), 3), **record}
         self._jsonl.write(json.dumps(record) + "\n")
-        step = record.get("step", 0)
-        for k, v in record.items():
-            if isinstance(v, (int, float)) and k not in ("step", "time") and self._tb:
-                self._tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
+        step, kind = record.get("step", 0), record.get("kind", "train")
+        scalars = {
+            f"{kind}/{k}": v
+            for k, v in record.items()
+            if isinstance(v, (int, float)) and k not in ("step", "time")
+        }
+        if self._tb:
+            for name, v in scalars.items():
+                self._tb.add_scalar(name, v, step)
         if self._wandb:
-            self._wandb.log(
-                {
-                    f"{record.get('kind', 'train')}/{k}": v
-                    for k, v in record.items()
-                    if isinstance(v, (int, float))
-                },
-                step=step,
-            )
+            self._wandb.log(scalars, step=step)
         self.console(_fmt(record))
 
     def console(self, line: str) -> None:
@@ -101,6 +103,47 @@ class RunLogger:
             self._wandb.finish()
         self._jsonl.close()
         plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+
+
+def keep_records_up_to(path: Path, step: int) -> int:
+    """Drop the records of `path` (metrics.jsonl) logged after `step`, and any line cut by a kill,
+    so that a run resumed at `step` holds each step once. The file is replaced whole (written
+    beside it, then renamed over it), so a kill leaves the old or the new one. Returns how many
+    lines were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None  # a line cut by a kill
+        at = record.get("step") if isinstance(record, dict) else None
+        if record is None or (isinstance(at, (int, float)) and at > step):
+            dropped += 1
+        else:
+            kept.append(line + "\n")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
+def _start_wandb(run_dir: Path, project: str | None, name: str | None, config: dict | None):
+    """A W&B run in `project` (default zerostack) named `name` (default the run folder's)."""
+    import wandb  # optional (requirements-extras.txt): only with --wandb
+
+    os.environ.setdefault("WANDB_DIR", str(run_dir))
+    return wandb.init(
+        project=project or "zerostack",
+        name=name or run_dir.resolve().name,
+        config=config,
+        dir=str(run_dir),
+    )
 
 
 def _tty() -> bool:

@@ -1,0 +1,316 @@
+"""Soak: a long run stays flat. A benchmark, not a test (it takes minutes per engine).
+
+    python -m benchmarks.soak [--steps 3000] [--engines zero2,fsdp2] [--doc docs/reliability.md]
+
+Each engine trains the tiny preset as a real 2-rank job of training/train.py for --steps steps,
+saving every --save-every steps (keeping the last 2, so old checkpoints are deleted all along)
+and evaluating every --eval-every. From outside, about once a second, it samples each rank's
+resident memory (RSS), open file descriptors, threads and /dev/shm mappings, and the /dev/shm
+files named after the run. The run's first part is warm-up (every kind of event, a save, a
+deletion and an evaluation, has happened once by then); the figures compare the median of the
+samples just after it with the median of the last ones before the final step. It holds when
+every rank's RSS grew by at most 5%, no rank holds more file descriptors or shared-memory
+mappings at the end than at the start, and no /dev/shm file of the run outlives it. With --doc
+the table replaces the "A long run stays flat" section of that file (added if absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+SECTION = "## A long run stays flat: the soak benchmark"
+ENGINES = {
+    "zero2": ["--backend", "deepspeed", "--ds_config", "ds_configs/zero2.json"],
+    "fsdp2": ["--backend", "fsdp"],
+}
+MAX_RSS_GROWTH = 0.05
+
+
+@dataclass
+class Sample:
+    step: int
+    rss: list[int]  # bytes, per rank
+    fds: list[int]
+    threads: list[int]
+    shm_maps: list[int]  # /dev/shm mappings per rank (unlinked segments included)
+    shm_files: int  # /dev/shm files named after this run
+
+
+@dataclass
+class Soak:
+    engine: str
+    steps: int
+    seconds: float
+    exit_code: int
+    samples: list[Sample] = field(default_factory=list)
+    shm_left: list[str] = field(default_factory=list)  # the run's /dev/shm files after exit
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_processes(launcher: psutil.Process) -> dict[int, psutil.Process]:
+    """{rank: process} of the training ranks torchrun started (their helpers left out)."""
+    ranks = {}
+    for p in launcher.children(recursive=True):
+        try:
+            env = p.environ()
+            if "training/train.py" in " ".join(p.cmdline()) and "RANK" in env:
+                ranks.setdefault(int(env["RANK"]), p)
+        except psutil.Error:
+            continue
+    return ranks
+
+
+def shm_maps(p: psutil.Process) -> int:
+    """Distinct /dev/shm files a process has mapped."""
+    try:
+        with open(f"/proc/{p.pid}/maps") as f:
+            return len({line.split(None, 5)[-1] for line in f if "/dev/shm/" in line})
+    except OSError:
+        return 0
+
+
+def run_shm_files(port: int) -> list[str]:
+    """/dev/shm files named after this run: DeepSpeed names its segments after the port."""
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if f"_{port}_" in n)
+    except OSError:
+        return []
+
+
+def last_step(metrics: Path) -> int:
+    """The step of the last complete train record in metrics.jsonl (0 before the first)."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written
+        if r.get("kind") == "train":
+            return r["step"]
+    return 0
+
+
+def take_sample(ranks: dict[int, psutil.Process], port: int, step: int) -> Sample | None:
+    order = [ranks[r] for r in sorted(ranks)]
+    try:
+        return Sample(
+            step=step,
+            rss=[p.memory_info().rss for p in order],
+            fds=[p.num_fds() for p in order],
+            threads=[p.num_threads() for p in order],
+            shm_maps=[shm_maps(p) for p in order],
+            shm_files=len(run_shm_files(port)),
+        )
+    except psutil.Error:
+        return None  # a rank exited between listing and reading: the run is ending
+
+
+def soak(engine: str, a, out_root: Path) -> Soak:
+    """One 2-rank run of `engine`, sampled from outside about once a second."""
+    out, port = out_root / engine, _port()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.ranks),
+        "--master_port", str(port), "training/train.py", *ENGINES[engine],
+        "--data", str(a.data), "--out", str(out), "--model", "tiny", "--seq-len", "64",
+        "--micro-batch", "2", "--steps", str(a.steps), "--warmup", "20", "--lr", "3e-3",
+        "--log-every", "10", "--save-every", str(a.save_every), "--keep-last", "2",
+        "--eval-every", str(a.eval_every), "--eval-samples", "8", "--resume", "never",
+    ]  # fmt: skip
+    log = open(out_root / f"{engine}.log", "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    result = Soak(engine, a.steps, 0.0, 0)
+    launcher = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        time.sleep(a.interval)
+        ranks = rank_processes(launcher)
+        if len(ranks) == a.ranks:
+            s = take_sample(ranks, port, last_step(out / "metrics.jsonl"))
+            if s is not None and s.step > 0:
+                result.samples.append(s)
+    result.exit_code, result.seconds = proc.wait(), time.time() - t0
+    result.shm_left = run_shm_files(port)
+    log.close()
+    return result
+
+
+def window(samples: list[Sample], lo: int, hi: int) -> list[Sample]:
+    return [s for s in samples if lo <= s.step <= hi]
+
+
+def median_of(samples: list[Sample], what: str) -> list[float]:
+    """Per rank, the median of `what` over `samples`."""
+    per_rank = zip(*(getattr(s, what) for s in samples))
+    return [statistics.median(v) for v in per_rank]
+
+
+def summarize(r: Soak, warm: int) -> dict:
+    """Start (just after warm-up) against end (the last tenth before the final step), per rank."""
+    span = max(r.steps // 10, 20)
+    start = window(r.samples, warm, warm + span)
+    end = window(r.samples, r.steps - span, r.steps - 1)
+    if r.exit_code or not start or not end:
+        return {"engine": r.engine, "error": f"exit {r.exit_code}, {len(r.samples)} samples"}
+    s = {k: median_of(start, k) for k in ("rss", "fds", "threads", "shm_maps")}
+    e = {k: median_of(end, k) for k in ("rss", "fds", "threads", "shm_maps")}
+    growth = [(b - a) / a for a, b in zip(s["rss"], e["rss"])]
+    checks = {
+        "rss": max(growth) <= MAX_RSS_GROWTH,
+        "fds": all(b <= a for a, b in zip(s["fds"], e["fds"])),
+        "shm_maps": all(b <= a for a, b in zip(s["shm_maps"], e["shm_maps"])),
+        "shm_left": not r.shm_left,
+    }
+    return {
+        "engine": r.engine,
+        "start": s,
+        "end": e,
+        "rss_growth": growth,
+        "checks": checks,
+        "ok": all(checks.values()),
+        "between": [between(r, q) for q in (0.25, 0.5, 0.75)],
+        "samples": len(r.samples),
+        "seconds": r.seconds,
+    }
+
+
+def between(r: Soak, q: float) -> tuple[int, list[float]]:
+    """The RSS (MiB per rank) of the sample nearest to fraction q of the run."""
+    target = int(r.steps * q)
+    s = min(r.samples, key=lambda x: abs(x.step - target))
+    return s.step, [v / 2**20 for v in s.rss]
+
+
+def _mib(v: list[float]) -> str:
+    return " / ".join(f"{x / 2**20:.0f}" for x in v)
+
+
+def _ints(v: list[float]) -> str:
+    return " / ".join(f"{x:g}" for x in v)
+
+
+def table(rows: list[dict], a, warm: int) -> str:
+    about = (
+        f"Measured with `python -m benchmarks.soak --steps {a.steps}` (tiny preset, 2 ranks, "
+        f"sequence 64, save every {a.save_every} steps keeping the last 2, evaluation every "
+        f"{a.eval_every}; {time.strftime('%Y-%m-%d')}). Start: median of the samples over steps "
+        f"{warm}-{warm + max(a.steps // 10, 20)}; end: over the last tenth before the final step. "
+        "Per rank (rank 0 / rank 1)."
+    )
+    lines = [
+        textwrap.fill(about, 100, break_on_hyphens=False),
+        "",
+        "| engine | RSS MiB start -> end | growth | RSS MiB at 25/50/75% | fds start -> end "
+        "| threads | /dev/shm maps | run's /dev/shm files after exit | holds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | {r['error']} | | | | | | | no |")
+            continue
+        s, e = r["start"], r["end"]
+        mid = "; ".join(f"{step}: " + " / ".join(f"{x:.0f}" for x in v) for step, v in r["between"])
+        growth = " / ".join(f"{g:+.1%}" for g in r["rss_growth"])
+        lines.append(
+            f"| {r['engine']} | {_mib(s['rss'])} -> {_mib(e['rss'])} | {growth} | {mid} "
+            f"| {_ints(s['fds'])} -> {_ints(e['fds'])} | {_ints(s['threads'])} -> "
+            f"{_ints(e['threads'])} | {_ints(s['shm_maps'])} -> {_ints(e['shm_maps'])} "
+            f"| {len(r.get('shm_left', []))} | {'yes' if r['ok'] else 'NO: ' + failed(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def failed(r: dict) -> str:
+    return ", ".join(k for k, ok in r["checks"].items() if not ok)
+
+
+def write_section(doc: Path, body: str) -> None:
+    """Replace the soak section of `doc` (up to the next `## ` heading), or append it."""
+    text = doc.read_text()
+    intro = (
+        "A tiny model trained for thousands of steps with frequent saves (old checkpoints "
+        "deleted all along) and evaluations, under ZeRO-2 and FSDP2, sampled from outside about "
+        "once a second: memory, open files and shared memory must not grow (RSS at most 5%). "
+        "`/dev/shm maps` counts the shared-memory files a rank has mapped (ZeRO-2: DeepSpeed's "
+        "all-reduce segments, unlinked by name once every rank has mapped them); the next column "
+        "counts the /dev/shm files named after the run that are left once it has exited. "
+        "`python -m benchmarks.soak` runs 3000 steps by default and exits 1 when a check fails."
+    )
+    section = f"{SECTION}\n\n{textwrap.fill(intro, 100, break_on_hyphens=False)}\n\n{body}\n"
+    if SECTION in text:
+        head, rest = text.split(SECTION, 1)
+        nxt = rest.find("\n## ")
+        tail = rest[nxt + 1 :] if nxt >= 0 else ""
+        text = head + section + ("\n" + tail if tail else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    doc.write_text(text)
+
+
+def ensure_data(path: Path) -> Path:
+    if not (path / "manifest.json").is_file():
+        sys.path.insert(0, str(REPO))
+        from data import prepare
+
+        print(f"preparing a small corpus into {path} (once)", flush=True)
+        prepare("pystdlib", path, vocab_size=512, max_docs=1000, num_proc=1, val_fraction=0.05)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Soak: RSS, open files and /dev/shm over a long run.")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--engines", default="zero2,fsdp2", help=f"of {', '.join(ENGINES)}")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    p.add_argument("--data", type=Path, default=REPO / "data_cache" / "soak-pystdlib")
+    p.add_argument("--runs", type=Path, default=REPO / "runs" / "soak")
+    p.add_argument("--doc", type=Path, help="write the table into this file's soak section")
+    a = p.parse_args(argv)
+    engines = a.engines.split(",")
+    if unknown := [e for e in engines if e not in ENGINES]:
+        p.error(f"--engines: unknown {', '.join(unknown)}; known: {', '.join(ENGINES)}")
+    ensure_data(a.data)
+    a.runs.mkdir(parents=True, exist_ok=True)
+    # Warm-up: past the third save (the first deletion) and the second evaluation.
+    warm = max(3 * a.save_every, 2 * a.eval_every) + 10
+    if warm + max(a.steps // 10, 20) >= a.steps - max(a.steps // 10, 20):
+        p.error(f"--steps {a.steps} is too short for a warm-up of {warm} steps")
+    rows = []
+    for engine in engines:
+        r = soak(engine, a, a.runs)
+        row = summarize(r, warm)
+        row["shm_left"] = r.shm_left
+        rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
+    text = table(rows, a, warm)
+    print(text)
+    if a.doc:
+        write_section(a.doc, text)
+    return 0 if all(r.get("ok") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
