@@ -25,14 +25,22 @@ if __package__ in (None, ""):  # run as a script by the launchers: make the repo
 
 import torch  # noqa: E402
 
-from data import BatchLoader, DataError, TokenDataset  # noqa: E402
-from models import ModelError, flops_per_token, pick_attention_kernel, set_attention_kernel  # noqa: E402
+from data import BatchLoader, DataError, TokenDataset, open_split  # noqa: E402
+from models import (  # noqa: E402
+    PRESETS,
+    ModelError,
+    flops_per_token,
+    pick_attention_kernel,
+    set_attention_kernel,
+    set_document_mask,
+)
+from models.hub import resolve_pretrained  # noqa: E402
 from training.checkpoints.weights import folder_weights  # noqa: E402
-from training.engines import Engine, OptimizerConfig, build_engine  # noqa: E402
+from training.engines import Engine, build_engine  # noqa: E402
 from training.engines.construct import build_for_engine  # noqa: E402
-from training.errors import BAD_INPUT, CheckpointError, ConfigError  # noqa: E402
-from training.guard import run_guarded  # noqa: E402
-from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, Schedule, run  # noqa: E402
+from training.errors import CheckpointError, ConfigError  # noqa: E402
+from training.guard import refused, run_guarded  # noqa: E402
+from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run  # noqa: E402
 from training.loop.restore import restore  # noqa: E402
 from training.preflight import Prepared, prepare_run  # noqa: E402
 from training.record import (  # noqa: E402
@@ -43,10 +51,10 @@ from training.record import (  # noqa: E402
     trainer_facts,
     write_record,
 )
-from training.runtime import distributed  # noqa: E402
-from training.runtime.flops import peak_flops_per_rank  # noqa: E402
+from training.runtime import distributed, signals  # noqa: E402
+from training.runtime.flops import ceiling_drift, model_shapes, run_ceiling  # noqa: E402
 from training.settings.flags import Settings, parser  # noqa: E402
-from training.startup import Started, start  # noqa: E402
+from training.startup import Started, give_back_untouched, start  # noqa: E402
 
 __all__ = ["Settings", "main", "parser"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -59,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepared = prepare_run(settings, world, rank)
     except (ConfigError, DataError, ModelError, CheckpointError) as e:
-        if rank == 0 or not 0 <= rank < world:  # rank 0 speaks for all, a stray rank for itself
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return BAD_INPUT
+        return refused(e, rank, world)  # rank 0 speaks for all, a stray rank for itself
     return run_guarded(
         lambda: train(settings, prepared), rank=rank, world=world, run_dir=settings.out
     )
@@ -72,13 +78,24 @@ def train(settings: Settings, prepared: Prepared) -> int:
     run_dir = Path(settings.out)
     started = start(settings, prepared, run_dir)
     dist = started.dist
+    done = started.resume.trainer_state()["step"] if started.resume else 0
+    if done >= settings.steps:  # a launch that changes nothing rewrites nothing of the run
+        if dist.is_main:
+            print(f"already trained {done} steps (--steps {settings.steps}); nothing to do")
+        give_back_untouched()
+        distributed.teardown()
+        return 0
     torch.manual_seed(settings.seed)  # same initial weights on every rank, before the model exists
     engine, attention, facts = build(settings, prepared, started)
     loader, val_ds = make_loaders(settings, prepared, engine)
     resume = started.resume
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
+    dtype = DTYPES[prepared.precision]
+    # Measured now, by all ranks at once, on this model's matmul shapes (runtime/flops.py).
+    shapes = model_shapes(facts["model_config"], prepared.micro_batch * settings.seq_len)
+    ceiling = run_ceiling(dist.device, dtype, shapes, settings.peak_tflops)
     record = run_record(
-        flags={**settings.as_flags(), "attention": attention},
+        flags={**settings.as_flags(), **prepared.effective_flags, "attention": attention},
         prepared=prepared,
         facts=facts,
         engine=engine,
@@ -87,24 +104,31 @@ def train(settings: Settings, prepared: Prepared) -> int:
         shm=started.shm,
         accelerate_state=started.accelerate,
         resume=resume,
-        peak_flops=peak_flops_per_rank(
-            dist.device, DTYPES[prepared.precision], settings.peak_tflops
-        ),
+        ceiling=ceiling,
     )
     logger = RunLogger(
-        run_dir, dist.is_main, settings.steps, state.step, wandb=settings.wandb, config=record
+        run_dir,
+        dist.is_main,
+        settings.steps,
+        state.step,
+        wandb=settings.wandb,
+        wandb_project=settings.wandb_project,
+        run_name=settings.run_name,
+        config=record,
     )
     if dist.is_main:
         write_record(run_dir, record, prepared.manifest)
         batch = (prepared.micro_batch, prepared.grad_accum, engine.dp_world, settings.seq_len)
         logger.console(banner(record, batch) + resumed(resume))
-    if state.step >= settings.steps:
-        logger.console(f"already trained {state.step} steps; nothing to do")
-        last_eval = {}
-    else:
-        last_eval = train_loop(
-            settings, prepared, engine, loader, val_ds, state, dist, logger, run_dir, record
-        )
+    first = {"kind": "ceiling", "when": "start", "step": state.step, **ceiling.as_record()}
+    logger.log({**first, "note": ceiling.describe(dtype)})
+    last_eval = train_loop(
+        settings, prepared, engine, loader, val_ds, state, dist, logger, run_dir, record
+    )
+    # Probe again: a host that changed speed during the run makes its MFU an interval.
+    drift = None if signals.current().honored else ceiling_drift(ceiling, dist.device, dtype)
+    if drift:
+        logger.log({**drift, "step": state.step})
     if dist.is_main and last_eval:
         (run_dir / "final_eval.json").write_text(json.dumps({"step": state.step, **last_eval}))
     logger.close()
@@ -129,7 +153,9 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
     )
     attention = pick_attention_kernel(settings.attention, dist.device.type, settings.seq_len)
     set_attention_kernel(model, attention)  # the pipeline engine sets its own layers' kernel
-    if settings.activation_checkpointing:
+    if settings.doc_mask:  # documents end at EOS in the prepared data (data/shards.py)
+        set_document_mask(model, prepared.manifest.eos_id)
+    if prepared.activation_checkpointing:  # the flag, or the config's section
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if settings.compile:
         model.compile()  # in place: parameter names and checkpoints are unchanged
@@ -143,9 +169,7 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         settings.backend,
         model=model,
         ds_config=started.ds_config,
-        optimizer=OptimizerConfig(
-            settings.lr, (settings.beta1, settings.beta2), settings.eps, settings.weight_decay
-        ),
+        optimizer=prepared.optimizer,  # flag given > ds_config > default (settings/hparams.py)
         device=dist.device,
         precision=prepared.precision,
         attention=attention,
@@ -154,21 +178,22 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         fsdp_cpu_offload=settings.fsdp_cpu_offload,
     )
     del model  # the pipeline engine keeps only its stage's layers: free the rest
-    if started.resume is None and prepared.precision != "fp32" and Path(settings.model).is_dir():
+    if started.resume is None and prepared.precision != "fp32" and settings.model not in PRESETS:
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
-        engine.set_master_weights(folder_weights(settings.model))
+        engine.set_master_weights(folder_weights(resolve_pretrained(settings.model)))
     return engine, attention, facts
 
 
 def make_loaders(
     settings: Settings, prepared: Prepared, engine: Engine
 ) -> tuple[BatchLoader, TokenDataset]:
-    """The training reader, sharded over the data-parallel replicas, and the validation set."""
-    train_ds = TokenDataset(settings.data, "train", settings.seq_len)
+    """The training reader, sharded over the data-parallel replicas, and the validation set
+    (for a mixture `--data A:0.7,B:0.3`, data.Mixture of the folders)."""
+    train_ds = open_split(settings.data, "train", settings.seq_len)
     loader = BatchLoader(
         train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, settings.seed
     )
-    return loader, TokenDataset(settings.data, "val", settings.seq_len)
+    return loader, open_split(settings.data, "val", settings.seq_len)
 
 
 def train_loop(
@@ -186,7 +211,7 @@ def train_loop(
     """The loop, with its saver and evaluator; returns the last evaluation."""
     micro, accum = prepared.micro_batch, prepared.grad_accum
     config = LoopConfig(
-        schedule=Schedule(settings.lr, settings.warmup, settings.steps, settings.min_lr_ratio),
+        schedule=prepared.schedule,
         grad_accum=accum,
         tokens_per_step=micro * accum * engine.dp_world * settings.seq_len,
         log_every=settings.log_every,

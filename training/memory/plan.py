@@ -40,8 +40,9 @@ import psutil
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from data import DataError, load_manifest
+from data import DataError, load_data
 from models import PRESETS, ModelError, ZeroStackForCausalLM, get_config
+from models.hub import is_hub_name, resolve_pretrained
 from training.errors import ConfigError
 from training.runtime.distributed import accelerator
 from training.settings import ds_config
@@ -111,7 +112,8 @@ def model_shape(spec: str, vocab_size: int | None = None) -> ModelShape:
     if spec in PRESETS:
         cfg = get_config(spec, **({"vocab_size": vocab_size} if vocab_size else {}))
         build = lambda: ZeroStackForCausalLM._from_config(cfg)  # noqa: E731
-    elif Path(spec).is_dir():
+    elif is_hub_name(spec) or Path(spec).is_dir():
+        spec = str(resolve_pretrained(spec, what="--model"))
         if not (Path(spec) / "config.json").is_file():
             raise ModelError(f"--model {spec}: folder has no config.json, so it holds no model")
         cfg = AutoConfig.from_pretrained(spec)
@@ -483,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if a.world < 1:
                 raise ConfigError(f"--world must be at least 1, got {a.world}")
-            vocab = a.vocab_size or (load_manifest(a.data).vocab_size if a.data else None)
+            vocab = a.vocab_size or (load_data(a.data).vocab_size if a.data else None)
             shape = model_shape(a.model, vocab)
             cap = capacity(a.device, a.device_mem, a.host_mem, a.nvme_path)
             cfg = resolve_config(a.ds_config, shape, a.world, a.micro_batch, cap.device_type)
