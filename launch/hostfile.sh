@@ -29,6 +29,7 @@
 # storage this host sees), else with the launcher's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. launch/wait.sh
 usage="usage: launch/hostfile.sh HOSTFILE MASTER_ADDR [train flags...]"
 hostfile=${1:?$usage}
 master=${2:?$usage}
@@ -65,11 +66,5 @@ child=$!
 for sig in TERM INT; do  # DeepSpeed's runner stops the ranks itself
   trap "kill -s $sig $child 2>/dev/null" "$sig"
 done
-code=0
-wait "$child" || code=$?
-while kill -0 "$child" 2>/dev/null; do  # a trapped signal ends `wait` early
-  code=0
-  wait "$child" || code=$?
-done
-code=$("$venv/bin/python" -m launch.exit_code "$code" "$record" "$@") || code=1
+wait_launcher "$child" "$@"
 exit "$code"

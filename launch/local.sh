@@ -15,6 +15,7 @@
 # the next step boundary and exit with 75, and the script stops.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. launch/wait.sh
 n=${1:?usage: launch/local.sh NUM_RANKS [train flags...]}; shift
 venv=${VENV:-.venv}
 max=${MAX_RESTARTS:-0}
@@ -43,13 +44,7 @@ while :; do
   "$venv/bin/deepspeed" --num_gpus "$n" --master_port "${MASTER_PORT:-29500}" \
     training/train.py "$@" &
   child=$!
-  code=0
-  wait "$child" || code=$?
-  while kill -0 "$child" 2>/dev/null; do  # a trapped signal ends `wait` early
-    code=0
-    wait "$child" || code=$?
-  done
-  code=$("$venv/bin/python" -m launch.exit_code "$code" "$record" "$@") || code=1
+  wait_launcher "$child" "$@"
   if [ "$stopping" = 1 ] || [ "$code" = 0 ]; then exit "$code"; fi
   case $code in 2 | 3 | 5) exit "$code" ;; esac
   if [ "$attempt" -ge "$max" ]; then exit "$code"; fi

@@ -16,6 +16,7 @@
 # itself says 1 for any failed rank.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. launch/wait.sh
 n=${1:?usage: launch/torchrun.sh NUM_RANKS_PER_HOST [train flags...]}; shift
 args=(--nproc_per_node "$n" --max-restarts "${MAX_RESTARTS:-0}"
   --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
@@ -35,11 +36,5 @@ child=$!
 for sig in TERM INT USR1 HUP QUIT; do  # torchrun passes these on to every rank
   trap "kill -s $sig $child 2>/dev/null" "$sig"
 done
-code=0
-wait "$child" || code=$?
-while kill -0 "$child" 2>/dev/null; do  # a trapped signal ends `wait` early
-  code=0
-  wait "$child" || code=$?
-done
-code=$("$venv/bin/python" -m launch.exit_code "$code" "$record" "$@") || code=1
+wait_launcher "$child" "$@"
 exit "$code"
