@@ -12,7 +12,6 @@ models are run through its own classes before any rank starts. Every failure is 
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -143,8 +142,7 @@ def check_keys(cfg: dict, source: str) -> dict:
         if k.startswith("_"):
             continue
         if k not in KNOWN_KEYS:
-            near = difflib.get_close_matches(k, sorted(KNOWN_KEYS), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            hint = sections.near(k, sorted(KNOWN_KEYS))
             raise ConfigError(f"{source}: unknown top-level key {k!r}{hint}")
         out[k] = v
     return out
@@ -293,7 +291,7 @@ def _resolve_pipeline(cfg: dict, flags: dict[str, Any], source: str) -> None:
     if not pipe:
         return
     stages = pipe.get("stages", 1)
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+    if not sections.is_whole(stages, 1):
         raise ConfigError(f"{source}: pipeline.stages must be a positive integer, got {stages!r}")
     if pipe.get("partition", "parameters") not in PIPELINE_PARTITIONS:
         raise ConfigError(
@@ -301,7 +299,7 @@ def _resolve_pipeline(cfg: dict, flags: dict[str, Any], source: str) -> None:
             f"got {pipe['partition']!r}"
         )
     interval = pipe.get("activation_checkpoint_interval", 0)
-    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+    if not sections.is_whole(interval):
         raise ConfigError(
             f"{source}: pipeline.activation_checkpoint_interval must be a whole number of "
             f"layers (0: off), got {interval!r}"
@@ -316,7 +314,7 @@ def _derive_batch(cfg: dict, dp: int, source: str) -> None:
         v = cfg.get(key, "auto")
         if v == "auto" or v is None:
             return None
-        if not isinstance(v, int) or v < 1:
+        if not sections.is_whole(v, 1):
             raise ConfigError(f"{source}: {key} must be a positive integer, got {v!r}")
         return v
 

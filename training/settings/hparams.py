@@ -11,11 +11,11 @@ back into both sections, so the run's resolved_config.json says what was used.
 
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any
 
 from training.errors import ConfigError
+from training.settings.sections import is_whole, near
 
 DEFAULTS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 DEFAULT_WARMUP = 20
@@ -78,7 +78,7 @@ def resolve_optimizer(cfg: dict, flags: dict[str, Any], backend: str, source: st
             if key not in allowed:
                 raise ConfigError(
                     f"{source}: optimizer.params.{key} is not applied with --backend {backend} "
-                    f"(it takes {', '.join(allowed)}){_near(key, allowed)}"
+                    f"(it takes {', '.join(allowed)}){near(key, allowed)}"
                 )
     betas = params.get("betas", "auto")
     if betas != "auto" and not (isinstance(betas, list) and len(betas) == 2):
@@ -141,7 +141,7 @@ def resolve_schedule(cfg: dict, flags: dict[str, Any], lr: float, steps: int, so
                 else f"{kind} takes {', '.join(known)}"
             )
             raise ConfigError(
-                f"{source}: scheduler.params.{key} is not applied ({why}){_near(key, known)}"
+                f"{source}: scheduler.params.{key} is not applied ({why}){near(key, known)}"
             )
     p = {**known, **{k: v for k, v in params.items() if v != "auto"}}
     if flags.get("warmup") is not None:
@@ -194,7 +194,7 @@ def _check_optimizer_type(kind, source: str) -> None:
             "wire (its weight decay groups and schedule are AdamW's); use Adam or AdamW"
         )
     raise ConfigError(
-        f"{source}: unknown optimizer.type {kind!r}{_near(kind, ('Adam', 'AdamW'))}"
+        f"{source}: unknown optimizer.type {kind!r}{near(kind, ('Adam', 'AdamW'))}"
         "; zerostack runs Adam or AdamW"
     )
 
@@ -209,7 +209,7 @@ def _check_scheduler_type(kind, source: str) -> str:
             f"reproduce; use one of {', '.join(names)} (or no scheduler section: warmup, cosine)"
         )
     raise ConfigError(
-        f"{source}: unknown scheduler.type {kind!r}{_near(str(kind), names)}; "
+        f"{source}: unknown scheduler.type {kind!r}{near(str(kind), names)}; "
         f"use one of {', '.join(names)}"
     )
 
@@ -231,7 +231,7 @@ def _check_optimizer_ranges(v: dict, source: str) -> None:
 
 def _check_schedule_params(kind: str, p: dict, source: str) -> None:
     n = p["warmup_num_steps"]
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_whole(n, 1):
         raise ConfigError(
             f"{source}: scheduler.params.warmup_num_steps must be a positive "
             f"integer (DeepSpeed's {kind}), got {n!r}"
@@ -242,7 +242,7 @@ def _check_schedule_params(kind: str, p: dict, source: str) -> None:
             f"got {p['warmup_type']!r}"
         )
     total = p.get("total_num_steps", 1)
-    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+    if not is_whole(total, 1):
         raise ConfigError(
             f"{source}: scheduler.params.total_num_steps must be a positive "
             f'integer (or "auto": --steps), got {total!r}'
@@ -257,8 +257,3 @@ def _check_schedule_params(kind: str, p: dict, source: str) -> None:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _near(word: str, choices) -> str:
-    near = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""

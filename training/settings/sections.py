@@ -145,7 +145,7 @@ def _activation_checkpointing(cfg: dict, device_type: str, source: str) -> bool:
         if key not in ACTIVATION_SUBKEYS:
             raise ConfigError(
                 f"{source}: activation_checkpointing.{key} is not a key DeepSpeed "
-                f"reads{_near(key, ACTIVATION_SUBKEYS)}"
+                f"reads{near(key, ACTIVATION_SUBKEYS)}"
             )
         harmless = value in (False, None) or (
             key == "cpu_checkpointing" and value is True and device_type == "cpu"
@@ -165,7 +165,7 @@ def check_stage(cfg: dict, source: str) -> None:
     if not isinstance(zero, dict):
         raise ConfigError(f"{source}: zero_optimization must be an object")
     stage = zero.get("stage", 0)
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in range(4):
+    if not is_whole(stage) or stage > 3:
         raise ConfigError(
             f"{source}: zero_optimization.stage must be 0, 1, 2 or 3 (a number), got {stage!r}"
         )
@@ -209,7 +209,7 @@ def _first_error(e: Exception, key: str, model) -> str:
     where = ".".join(str(x) for x in (key, *err["loc"]))
     if err["type"] == "extra_forbidden":
         names = _field_names(model, err["loc"])
-        return f"{where} is not a key DeepSpeed reads{_near(str(err['loc'][-1]), names)}"
+        return f"{where} is not a key DeepSpeed reads{near(str(err['loc'][-1]), names)}"
     return f"{where}: {err['msg']} (got {err.get('input')!r})"
 
 
@@ -250,6 +250,12 @@ def _refuse_coercion(raw: Any, parsed: Any, where: str, source: str) -> None:
         raise ConfigError(f"{source}: {where} must be {kind}, got {json.dumps(raw)}")
 
 
-def _near(word: str, choices) -> str:
-    near = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
+def near(word: str, choices) -> str:
+    """' (did you mean X?)' for the closest of `choices`, or ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def is_whole(value, low: int = 0) -> bool:
+    """An int (JSON's true/false are not) of at least `low`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
