@@ -13,6 +13,7 @@ whose every checkpoint is damaged is refused rather than trained from step 0 ove
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ class ResumePlan:
         return universal.universal_tag(self.tag) if self.universal else self.tag
 
     def trainer_state(self) -> dict:
+        """The checkpoint's trainer state, read (and its folder checked for planted pickles)
+        once per plan: the preflight, startup and restore all ask."""
+        return self._trainer_state
+
+    @functools.cached_property
+    def _trainer_state(self) -> dict:
         return layout.load_trainer_state(self.root, self.tag)
 
 
