@@ -20,6 +20,7 @@ from models.llama import (
     pick_attention_kernel,
     set_attention_kernel,
     set_document_mask,
+    set_sequence_parallel,
 )
 from models.pipeline import (
     model_state_dict_to_pipeline,
@@ -49,6 +50,7 @@ __all__ = [
     "save_llama",
     "set_attention_kernel",
     "set_document_mask",
+    "set_sequence_parallel",
     "to_llama_config",
     "to_llama_state_dict",
 ]

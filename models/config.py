@@ -14,6 +14,18 @@ class ZeroStackConfig(PretrainedConfig):
 
     model_type = "zerostack"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # How tensor parallelism splits a block, in transformers' tp_plan form (Llama's plan under our
+    # module names): DeepSpeed's AutoTP and transformers' own `tp_plan="auto"` read it. Column
+    # splits shard the output features (whole heads, whole MLP columns), row splits the inputs.
+    base_model_tp_plan = {
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+    }
 
     vocab_size: int = 32000
     hidden_size: int = 768

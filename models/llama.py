@@ -132,6 +132,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.kernel = "sdpa"  # or "explicit": set_attention_kernel(); not part of the config
+        # (module, q, k, v) -> (batch, seq, features) or None: set_sequence_parallel()
+        self.sequence_parallel = None
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -146,25 +148,33 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask=None, cache: Cache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism a rank holds a slice of the heads.
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        # The model passes a mask only when the causal flag cannot express it (padding, chunked prefill).
-        if self.kernel == "explicit":
-            y = explicit_attention(q, k, v, mask)
-        else:
-            y = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                is_causal=mask is None and t > 1,
-                enable_gqa=self.n_kv_heads != self.n_heads,
-            )
+        if self.sequence_parallel is not None:
+            # x is this rank's slice of the sequence; the wrapper trades it for a slice of the
+            # heads over the whole sequence around `core` (set_sequence_parallel).
+            return self.wo(self.sequence_parallel(self, q, k, v))
+        y = self.core(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+    def core(self, q, k, v, mask=None) -> torch.Tensor:
+        """Attention proper on (batch, heads, seq, head_dim) q/k/v; the model passes a mask only
+        when the causal flag cannot express it (padding, chunked prefill, documents)."""
+        if self.kernel == "explicit":
+            return explicit_attention(q, k, v, mask)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and q.shape[2] > 1,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
 
 
 def pick_attention_kernel(choice: str, device_type: str, seq_len: int) -> str:
@@ -185,6 +195,17 @@ def set_attention_kernel(model: nn.Module, kernel: str) -> int:
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for m in layers:
         m.kernel = kernel
+    return len(layers)
+
+
+def set_sequence_parallel(model: nn.Module, wrapper) -> int:
+    """Route every attention layer of our model through `wrapper(attention, q, k, v)`, which
+    returns the layer's output before `wo`, (batch, local seq, features); None undoes it. The
+    training side builds the wrapper (DeepSpeed's Ulysses all-to-all around `Attention.core`),
+    so the model itself needs no distributed code. Returns how many layers were routed."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for m in layers:
+        m.sequence_parallel = wrapper
     return len(layers)
 
 

@@ -108,7 +108,14 @@ CONFIG_CASES = {
         {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}},
         "warmup_type must be log or linear",
     ),
-    "tensor_parallel": ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel is not applied"),
+    "tensor_parallel": (
+        {"tensor_parallel": {"autotp_size": 2}},
+        "world size 1 is not divisible by tensor_parallel.autotp_size=2",
+    ),
+    "sequence_parallel": (
+        {"sequence_parallel_size": 2},
+        "world size 1 is not divisible by sequence_parallel_size=2",
+    ),
     "curriculum": (
         {"curriculum_learning": {"enabled": True}},
         "curriculum_learning is not applied",
@@ -272,6 +279,10 @@ SAMPLES = {
     "steps_per_print": 10,
     "dump_state": True,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+    # world 1 here: sizes of 1 (tests/test_parallel_layout.py checks real sizes)
+    "tensor_parallel": {"autotp_size": 1},
+    "sequence_parallel_size": 1,
+    "seq_parallel_communication_data_type": "fp32",
     "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
     "fp16": {"enabled": False},
     "bf16": {"enabled": True},
@@ -326,7 +337,8 @@ def test_every_known_key_is_applied_or_refused():
             assert out["gradient_accumulation_steps"] != 1  # the triplet derived from it
         else:
             assert out[key] == SAMPLES[key], key  # handed to deepspeed.initialize as written
-        if key in sections.APPLIED_BY_DEEPSPEED and key not in ("zero_optimization", "pipeline"):
+        sized = ("zero_optimization", "pipeline", "tensor_parallel", "sequence_parallel_size")
+        if key in sections.APPLIED_BY_DEEPSPEED and key not in sized:
             with pytest.raises(ConfigError, match=f"{key} is DeepSpeed's"):
                 resolve({key: SAMPLES[key]}, backend="ddp")
 

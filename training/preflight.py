@@ -27,7 +27,7 @@ from training.errors import CheckpointError, ConfigError
 from training.loop.schedule import Schedule
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
-from training.settings import ds_config, nvme
+from training.settings import ds_config, nvme, parallel
 from training.settings.flags import Settings
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -108,6 +108,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     precision = settings.precision or ds_config.precision(cfg)
     check_engine(settings, cfg, cfg_path, precision)
     check_model(settings, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
+    check_parallel(settings, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
     now = Topology(
         settings.backend, world, ds_config.zero_stage(cfg), ds_config.pipeline_stages(cfg)
     )
@@ -292,6 +293,26 @@ def check_engine(settings: Settings, cfg: dict, cfg_path: str, precision: str) -
             )
     if settings.backend != "deepspeed" and ds_config.pipeline_stages(cfg) > 1:
         raise ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
+
+
+def check_parallel(settings: Settings, layout: parallel.Layout, model_cfg, cfg_path: str) -> None:
+    """What tensor and sequence parallelism need of the model (settings/parallel.py)."""
+    if layout.tensor == 1 and layout.sequence == 1:
+        return
+    text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
+    heads = text.num_attention_heads
+    parallel.check_model(
+        layout,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        seq_len=settings.seq_len,
+        source=cfg_path,
+    )
+    if layout.sequence > 1 and settings.doc_mask:
+        raise ConfigError(
+            f"{cfg_path}: --doc-mask with sequence_parallel_size > 1: Ulysses attends over the "
+            "whole gathered sequence with the causal flag only; drop --doc-mask"
+        )
 
 
 def check_model(settings: Settings, model_cfg, manifest, stages: int, cfg_path: str) -> None:

@@ -1,5 +1,6 @@
-"""DeepSpeed: `deepspeed.initialize` at the centre; ZeRO stage, offload and precision all come
-from the JSON config."""
+"""DeepSpeed: `deepspeed.initialize` at the centre; ZeRO stage, offload, precision, tensor
+parallelism (AutoTP) and sequence parallelism (Ulysses, sequence.py) all come from the JSON
+config."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from deepspeed.utils import safe_set_full_fp32_param
 from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
+from training.engines.sequence import SequenceParallel
 from training.memory.state_bytes import state_bytes
+from training.settings import parallel
 
 
 class DeepSpeedEngine(Engine):
@@ -22,6 +25,17 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, *, model, ds_config: dict, optimizer: OptimizerConfig, device: torch.device):
         super().__init__()
+        tp, sp = parallel.tensor_size(ds_config), parallel.sequence_size(ds_config)
+        micro = int(ds_config["train_micro_batch_size_per_gpu"])
+        self.sequence = (
+            SequenceParallel(model, sp, micro, int(ds_config["zero_optimization"].get("stage", 0)))
+            if sp > 1
+            else None
+        )
+        if tp > 1:
+            # DeepSpeed's batch check counts every rank of a tensor-parallel group as a replica;
+            # the samples per step are still train_batch_size (micro x accumulation x replicas).
+            ds_config = {**ds_config, "train_batch_size": ds_config["train_batch_size"] * tp}
         groups = param_groups(model, optimizer.weight_decay)
         torch_optimizer = None
         if "optimizer" not in ds_config:
@@ -34,7 +48,13 @@ class DeepSpeedEngine(Engine):
             optimizer=torch_optimizer,
             model_parameters=groups if torch_optimizer is None else None,
             config=ds_config,
+            mpu=self.sequence.mpu if self.sequence else None,
         )
+        if tp > 1:  # AutoTP's groups: the ranks of one tensor-parallel group read the same data
+            self.dp_rank = self.engine.mpu.get_data_parallel_rank()
+            self.dp_world = self.engine.mpu.get_data_parallel_world_size()
+        elif sp > 1:  # Ulysses groups are consecutive ranks
+            self.dp_rank, self.dp_world = dist.get_rank() // sp, dist.get_world_size() // sp
         self.device = device
         # What each group was built with: a universal load copies group 0's values onto every
         # group under ZeRO-3 (so norms would be decayed), so load() puts these back.
@@ -50,12 +70,18 @@ class DeepSpeedEngine(Engine):
     def module(self):
         return self.engine.module
 
+    def _inputs(self, x, y) -> dict:
+        if self.sequence:
+            return self.sequence.inputs(x, y)
+        return {"input_ids": x, "labels": y, "shift_labels": y}
+
     def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
-        loss = self.engine(input_ids=x, labels=y, shift_labels=y).loss
-        self.engine.backward(poison(loss))  # a non-finite loss gives non-finite gradients
+        loss = self.engine(**self._inputs(x, y)).loss
+        scale = self.sequence.backward_scale if self.sequence else 1.0
+        self.engine.backward(poison(loss * scale))  # a non-finite loss: non-finite gradients
         if not boundary:
             self.engine.step()  # DeepSpeed counts micro-steps; no reduction, no update here
-        return loss.detach()
+        return self.sequence.whole_loss(loss) if self.sequence else loss.detach()
 
     def step(self) -> StepResult:
         forced = self._plain_optimizer and not self._grads_finite()
@@ -88,7 +114,8 @@ class DeepSpeedEngine(Engine):
 
     @torch.no_grad()
     def eval_loss(self, x, y) -> torch.Tensor:
-        return self.engine(input_ids=x, labels=y, shift_labels=y).loss.detach()
+        loss = self.engine(**self._inputs(x, y)).loss
+        return self.sequence.whole_loss(loss) if self.sequence else loss.detach()
 
     def train(self) -> None:
         self.engine.train()

@@ -4,7 +4,7 @@ Values come from the DeepSpeed JSON file first; then the CLI flags that name a k
 (`FLAG_KEYS` says which; the optimizer's numbers and the schedule follow the same rule in
 hparams.py); then every "auto" is resolved; then the batch triplet
 `train_batch_size = micro_batch x grad_accum x data_parallel_world` is derived and checked here
-and nowhere else. Every key is applied or refused (sections.py), and the sections DeepSpeed
+and nowhere else (the data-parallel world: settings/parallel.py). Every key is applied or refused (sections.py), and the sections DeepSpeed
 models are run through its own classes before any rank starts. Every failure is a
 `ConfigError` with one line naming the file and key.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import ConfigError
-from training.settings import hparams, sections
+from training.settings import hparams, parallel, sections
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"  # the shipped configs
 
@@ -81,6 +81,7 @@ KNOWN_KEYS = {
     "zero_quantized_weights",
     "zero_quantized_gradients",
     "tensor_parallel",
+    "sequence_parallel_size",
 }
 
 # CLI flag (argparse dest) -> the DeepSpeed key it overrides.
@@ -185,12 +186,7 @@ def resolve(
     _resolve_pipeline(cfg, flags, source)
     precision(cfg, source)  # refuses fp16 + bf16 together
     _check_combinations(cfg, source)
-    stages = pipeline_stages(cfg)
-    if world % stages:
-        raise ConfigError(
-            f"{source}: world size {world} is not divisible by pipeline.stages={stages}"
-        )
-    _derive_batch(cfg, world // stages, source)
+    _derive_batch(cfg, parallel.layout(cfg, world, source).data, source)
 
     # Settings the trainer owns, written into DeepSpeed's sections where they are "auto".
     autos = {

@@ -55,11 +55,12 @@ APPLIED_BY_DEEPSPEED = {
     "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
     "graph_harvesting",
+    "tensor_parallel",  # AutoTP; the layout's rules: settings/parallel.py
+    "sequence_parallel_size",  # Ulysses; the groups and the model's hook: engines/sequence.py
+    "seq_parallel_communication_data_type",
 }
 # Known to DeepSpeed, but they need something zerostack does not do; each says why.
 REFUSED = {
-    "tensor_parallel": "tensor parallelism is not wired into zerostack yet (DeepSpeed would "
-    "accept it and shard nothing); drop the section",
     "amp": "Apex AMP is not used; precision comes from the bf16 or fp16 section",
     "torch_autocast": "precision comes from the bf16 or fp16 section (one place says what a "
     "run computes in)",
@@ -86,12 +87,11 @@ REFUSED = {
     "zero_quantized_weights": "ZeRO++ settings live inside zero_optimization",
     "zero_quantized_gradients": "ZeRO++ settings live inside zero_optimization",
     "disable_allgather": "DeepSpeed no longer reads it",
-    "seq_parallel_communication_data_type": "sequence parallelism is not wired into zerostack",
 }
 # DeepSpeed's activation_checkpointing sub-keys and what each needs to apply here.
 ACTIVATION_SUBKEYS = {
-    "partition_activations": "it splits checkpoints across tensor-parallel ranks, and there "
-    "are none",
+    "partition_activations": "it splits DeepSpeed's own checkpoint function's saved inputs "
+    "across tensor-parallel ranks; the model checkpoints its blocks with torch's",
     "cpu_checkpointing": "checkpoints are kept where the model runs; on a CPU they are in host "
     "memory already (true is accepted there)",
     "contiguous_memory_optimization": "it needs partition_activations",
@@ -130,6 +130,10 @@ def _off(key: str, cfg: dict, steps: int) -> bool:
         return v.get("stage", 0) == 0 and set(v) <= {"stage"}
     if key == "pipeline":
         return v.get("stages", 1) == 1
+    if key == "tensor_parallel":
+        return isinstance(v, dict) and v.get("autotp_size", 0) in (0, 1)
+    if key == "sequence_parallel_size":
+        return v == 1
     if isinstance(v, dict):
         return v.get("enabled") is False or not v
     return v in (False, None)

@@ -1,0 +1,149 @@
+"""How a run's ranks divide the work: pipeline stages (`pipeline.stages`), tensor parallelism
+(DeepSpeed AutoTP, `tensor_parallel.autotp_size`) and sequence parallelism (DeepSpeed Ulysses,
+`sequence_parallel_size`), the rest being data parallelism:
+
+    data-parallel world = world / (pipeline stages x tensor parallel x sequence parallel)
+
+The ranks of one tensor- or sequence-parallel group work on the same samples, so the batch
+triplet, the reader's sharding, evaluation and tokens/s all count data-parallel replicas, never
+ranks. Which combinations DeepSpeed composes, and what each needs of the model, is checked here
+before any rank starts; every failure is one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.errors import ConfigError
+from training.settings import sections
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    pipeline: int = 1
+    tensor: int = 1
+    sequence: int = 1
+
+    @property
+    def data(self) -> int:
+        return self.world // (self.pipeline * self.tensor * self.sequence)
+
+    def describe(self) -> str:
+        parts = [f"{self.data} data-parallel"]
+        for size, name in (
+            (self.tensor, "tensor"),
+            (self.sequence, "sequence"),
+            (self.pipeline, "pipeline"),
+        ):
+            if size > 1:
+                parts.append(f"{size} {name}-parallel")
+        return " x ".join(parts)
+
+
+def tensor_size(cfg: dict) -> int:
+    section = cfg.get("tensor_parallel") or {}
+    return int(section.get("autotp_size", 0) or 1) if isinstance(section, dict) else 1
+
+
+def sequence_size(cfg: dict) -> int:
+    return int(cfg.get("sequence_parallel_size", 1) or 1)
+
+
+def layout(cfg: dict, world: int, source: str) -> Layout:
+    """The run's layout, with the combinations DeepSpeed does not compose refused."""
+    tp_section = cfg.get("tensor_parallel", {})
+    if not isinstance(tp_section, dict):
+        raise ConfigError(f"{source}: tensor_parallel must be an object")
+    tp = tp_section.get("autotp_size", 0)
+    if not sections.is_whole(tp):
+        raise ConfigError(
+            f"{source}: tensor_parallel.autotp_size must be a whole number (0 or 1: off), got {tp!r}"
+        )
+    sp = cfg.get("sequence_parallel_size", 1)
+    if not sections.is_whole(sp, 1):
+        raise ConfigError(
+            f"{source}: sequence_parallel_size must be a positive integer, got {sp!r}"
+        )
+    pp = int(cfg.get("pipeline", {}).get("stages", 1))
+    out = Layout(world, pp, max(tp, 1), sp)
+    _check_composition(out, cfg, source)
+    product = out.pipeline * out.tensor * out.sequence
+    if world % product:
+        named = [
+            f"{key}={size}"
+            for key, size in (
+                ("pipeline.stages", out.pipeline),
+                ("tensor_parallel.autotp_size", out.tensor),
+                ("sequence_parallel_size", out.sequence),
+            )
+            if size > 1
+        ]
+        raise ConfigError(
+            f"{source}: world size {world} is not divisible by {' x '.join(named)}"
+            + (f" (= {product})" if len(named) > 1 else "")
+            + f"; launch a multiple of {product} ranks"
+        )
+    return out
+
+
+def _check_composition(out: Layout, cfg: dict, source: str) -> None:
+    stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
+    if out.tensor > 1 and out.sequence > 1:
+        raise ConfigError(
+            f"{source}: tensor_parallel.autotp_size and sequence_parallel_size are both above 1: "
+            "DeepSpeed's AutoTP and Ulysses each build their own process groups (AutoTP installs "
+            "its groups as the engine's mpu, Ulysses passes its own), so they do not compose; "
+            "pick one"
+        )
+    if out.pipeline > 1 and (out.tensor > 1 or out.sequence > 1):
+        kind = "tensor_parallel.autotp_size" if out.tensor > 1 else "sequence_parallel_size"
+        raise ConfigError(
+            f"{source}: {kind} with pipeline.stages > 1: DeepSpeed's pipeline engine builds its "
+            "grid from the PipelineModule's topology and applies neither AutoTP nor Ulysses to "
+            "it; use pipeline x data parallelism, or tensor/sequence x data parallelism"
+        )
+    if out.tensor > 1 and stage == 3:
+        raise ConfigError(
+            f"{source}: tensor_parallel with ZeRO-3: zerostack builds ZeRO-3 models under "
+            "zero.Init, whose partitioned weights AutoTP would have to re-shard; use ZeRO 0-2 "
+            "with tensor parallelism (ds_configs/tp2.json is ZeRO-1)"
+        )
+    off = cfg.get("zero_optimization", {})
+    offload = any(
+        (off.get(k) or {}).get("device", "none") not in ("none", None)
+        for k in ("offload_optimizer", "offload_param")
+    )
+    if (out.tensor > 1 or out.sequence > 1) and offload:
+        raise ConfigError(
+            f"{source}: offload with tensor or sequence parallelism is not supported here; "
+            "drop the offload sections"
+        )
+
+
+def check_model(out: Layout, *, heads: int, kv_heads: int, seq_len: int, source: str) -> None:
+    """What tensor and sequence parallelism need of the model's shape and the sequence."""
+    if out.tensor > 1:
+        for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if n % out.tensor:
+                raise ConfigError(
+                    f"{source}: tensor_parallel.autotp_size={out.tensor} does not divide the "
+                    f"model's {name}={n}: each rank must hold whole heads"
+                )
+    if out.sequence > 1:
+        sp = out.sequence
+        if heads % sp:
+            raise ConfigError(
+                f"{source}: sequence_parallel_size={sp} does not divide the model's "
+                f"num_attention_heads={heads}: Ulysses gives each rank whole heads"
+            )
+        if kv_heads % sp and sp % kv_heads:
+            raise ConfigError(
+                f"{source}: sequence_parallel_size={sp} and num_key_value_heads={kv_heads}: one "
+                "must divide the other (Ulysses splits or replicates the kv heads)"
+            )
+        if seq_len % sp:
+            raise ConfigError(
+                f"{source}: --seq-len {seq_len} is not divisible by sequence_parallel_size={sp}; "
+                f"use a multiple of {sp}"
+            )
