@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import deepspeed
@@ -17,7 +18,7 @@ import transformers
 from data import BatchLoader
 from data.mixture import parse_spec
 from training.runtime import cluster
-from training.settings import ds_config
+from training.settings import ds_config, parallel
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,6 +54,9 @@ def run_record(
             "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None),
         },
         "world": dist.world,
+        # world = data x tensor x sequence x pipeline (settings/parallel.py)
+        "parallel": asdict(parallel.layout(prepared.ds_config, dist.world, "config"))
+        | {"data": engine.dp_world},
         "pipeline": layout
         and {"stages": len(layout), "data_parallel": engine.dp_world, "layers": layout},
         "ranks": ranks,
@@ -81,18 +85,20 @@ def write_record(run_dir: Path, record: dict, manifest) -> None:
     shutil.copytree(manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
 
 
-def describe_ranks(dist, loader: BatchLoader) -> list[dict]:
-    """All ranks call: where each rank runs and what it reads first (from a fresh loader at the
-    same position: the real one is untouched)."""
+def describe_ranks(dist, loader: BatchLoader, coordinates: dict[str, int]) -> list[dict]:
+    """All ranks call: where each rank runs, its place in the layout, and what it reads first
+    (from a fresh loader of the same data-parallel replica at the same position: the real one
+    is untouched)."""
     fresh = BatchLoader(
         loader.dataset,
         loader.micro_batch,
-        dist.rank,
-        dist.world,
+        loader.rank,
+        loader.world,
         loader.seed,
         loader.consumed_samples,
     )
-    return cluster.describe_ranks(dist.rank, dist.local_rank, fresh.next_batch()[0])
+    first = fresh.next_batch()[0]
+    return cluster.describe_ranks(dist.rank, dist.local_rank, first, coordinates)
 
 
 def trainer_facts(record: dict) -> dict:
@@ -104,6 +110,8 @@ def trainer_facts(record: dict) -> dict:
         "backend": flags["backend"],
         "zero_stage": ds_config.zero_stage(cfg),
         "pipeline_stages": ds_config.pipeline_stages(cfg),
+        "tensor_parallel": parallel.tensor_size(cfg),
+        "sequence_parallel": parallel.sequence_size(cfg),
         "model": flags["model"],
         "data_dir": record["data"]["dir"],
         "seq_len": flags["seq_len"],
@@ -125,6 +133,9 @@ def banner(record: dict, batch: tuple[int, int, int, int]) -> str:
     )
     if record["pipeline"]:
         line += f" | pipeline {record['pipeline']['stages']} stages x {dp} data-parallel"
+    elif max(record["parallel"]["tensor"], record["parallel"]["sequence"]) > 1:
+        sizes = {k: v for k, v in record["parallel"].items() if k != "data"}
+        line += " | " + parallel.Layout(**sizes).describe()
     return line
 
 

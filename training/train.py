@@ -100,7 +100,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
         facts=facts,
         engine=engine,
         dist=dist,
-        ranks=describe_ranks(dist, loader),
+        ranks=describe_ranks(dist, loader, engine.coordinates()),
         shm=started.shm,
         accelerate_state=started.accelerate,
         resume=resume,

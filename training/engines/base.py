@@ -85,6 +85,10 @@ class Engine(ABC):
     @abstractmethod
     def eval(self) -> None: ...
 
+    def coordinates(self) -> dict[str, int]:
+        """Where this rank sits in the run's layout (settings/parallel.py), for the run record."""
+        return {"data_parallel": self.dp_rank}
+
     def layout(self) -> list[list[str]] | None:
         """Layer class names per pipeline stage; None when the model is not cut into stages."""
         return None

@@ -50,6 +50,7 @@ class DeepSpeedEngine(Engine):
             config=ds_config,
             mpu=self.sequence.mpu if self.sequence else None,
         )
+        self.tensor_parallel = tp
         if tp > 1:  # AutoTP's groups: the ranks of one tensor-parallel group read the same data
             self.dp_rank = self.engine.mpu.get_data_parallel_rank()
             self.dp_world = self.engine.mpu.get_data_parallel_world_size()
@@ -65,6 +66,14 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed's own optimizer wrappers (ZeRO 1-3, bf16, fp16) skip an update whose global
         # gradient norm is not finite; a plain torch optimizer (fp32, ZeRO-0) needs us to.
         self._plain_optimizer = not hasattr(self.engine.optimizer, "overflow")
+
+    def coordinates(self) -> dict[str, int]:
+        out = {"data_parallel": self.dp_rank}
+        if self.sequence:
+            out["sequence_parallel"] = self.sequence.rank
+        if self.tensor_parallel > 1:
+            out["tensor_parallel"] = self.engine.mpu.get_tensor_model_parallel_rank()
+        return out
 
     @property
     def module(self):
