@@ -5,6 +5,7 @@ import json
 import pytest
 
 from training.settings import ds_config as C
+from training.settings import parallel
 
 FLAGS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 
@@ -16,9 +17,10 @@ def resolve(cfg, world=2, **flags):
 def test_every_shipped_config_resolves_with_no_auto_left(tmp_path):
     for path in sorted((C.Path(__file__).parent.parent / "ds_configs").glob("*.json")):
         out = resolve(C.load_json(path), micro_batch=2, grad_accum=3)
-        assert "auto" not in json.dumps(out), path
-        stages = out.get("pipeline", {}).get("stages", 1)
-        assert out["train_batch_size"] == 2 * 3 * (2 // stages)
+        assert '"auto"' not in json.dumps(out), path
+        replicas = parallel.layout(out, 2, str(path)).data  # world / (pp x tp x sp)
+        assert out["train_batch_size"] == 2 * 3 * replicas
+        assert replicas == (1 if path.stem in ("pipeline", "tp2", "sp2") else 2), path
         assert not any(k.startswith("_") for k in out)
 
 
