@@ -113,11 +113,11 @@ class PipelineEngine(DeepSpeedEngine):
         self.stages = grid.get_pipe_parallel_world_size()
         self.dp_rank = grid.get_data_parallel_rank()
         self.dp_world = grid.get_data_parallel_world_size()
+        self.micro_batches = self.engine.micro_batches
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def coordinates(self) -> dict[str, int]:
         return {"data_parallel": self.dp_rank, "pipeline_stage": self.stage}
-        self.micro_batches = self.engine.micro_batches
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def layout(self) -> list[list[str]]:
         """Layer class names per stage, e.g. [[EmbeddingPipe, BlockPipe], [BlockPipe, ...]]."""
