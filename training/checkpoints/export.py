@@ -36,6 +36,7 @@ from transformers.utils import logging
 from models import ZeroStackForCausalLM
 from models.hf_adapter import to_llama_config, to_llama_state_dict
 from training.checkpoints import layout as ckpt
+from training.checkpoints.universal import Topology
 from training.checkpoints.weights import config_from_dict, load_model
 from training.checkpoints.zero_files import release_freed_memory
 from training.errors import CheckpointError, ExportError
@@ -322,7 +323,7 @@ def _write_card(folder: Path, run_dir: Path, tag: str, state: dict, dtype: str) 
         "A causal LM trained with zerostack and exported to a stock `LlamaForCausalLM` folder.",
         "",
         f"- checkpoint: `{tag}` ({state.get('backend', 'deepspeed')}, "
-        f"ZeRO-{state.get('zero_stage', 0)}, world {state.get('world')})",
+        f"{Topology.of_checkpoint(state)})",
         f"- model: {state.get('model')}, weights in {dtype}",
         f"- data: `{Path(state.get('data_dir', '?')).name}`",
         f"- steps: {state.get('step')}",

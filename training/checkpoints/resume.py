@@ -3,8 +3,8 @@
 Two moments decide it. Before any process group exists (`plan_resume`): `--resume auto` takes the
 run's latest complete checkpoint, `never` none (and refuses a run folder that holds some), a
 path names one; with auto, a checkpoint whose trainer state will not load gives way to the next
-older one; and the checkpoint loads either natively or, when the world size, ZeRO stage or
-pipeline layout changed, through a universal copy (universal.py). Once the process group is up
+older one; and the checkpoint loads either natively or, when the world size, ZeRO stage,
+pipeline, tensor- or sequence-parallel layout changed, through a universal copy (universal.py). Once the process group is up
 (`verify_resume`), every rank hashes a share of the checkpoint's files against their listing;
 with auto, a corrupt one again gives way to the next older one that verifies, and its load is
 planned anew. Falling back always says so, on rank 0, naming the damaged file; a run folder

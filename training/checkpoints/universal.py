@@ -1,5 +1,5 @@
-"""Universal checkpoints: resume a DeepSpeed checkpoint on another world size, ZeRO stage or
-pipeline layout.
+"""Universal checkpoints: resume a DeepSpeed checkpoint on another world size, ZeRO stage,
+pipeline, tensor-parallel (AutoTP) or sequence-parallel (Ulysses) layout.
 
 ZeRO files are partitioned for the world that wrote them. The universal format holds every
 parameter whole (fp32 weights, both Adam moments, the step) under zero/<name>/, and DeepSpeed's
@@ -19,6 +19,12 @@ The copy names every parameter as the unpipelined model does (`layers.0.attentio
 whatever wrote it: a pipeline checkpoint's `1.attention.wq.weight` is renamed here, and the
 pipeline engine looks its parameters up under the model's names when it loads a copy
 (training/engines/pipeline.py). So one copy resumes pipelined or not, on any number of stages.
+
+An AutoTP checkpoint's slices are joined into whole parameters (zero_files.py, from the layout
+AutoTP records in the files), and DeepSpeed's loader cuts whole parameters again for the
+tensor-parallel rank that loads them: tp2 resumes on one rank, on ZeRO-3 and back. Ulysses keeps
+whole parameters; only the replicas change, so a sequence-parallel checkpoint converts as a plain
+one.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class Topology:
     world: int
     zero_stage: int
     pipeline_stages: int = 1
+    tensor_parallel: int = 1  # AutoTP: each rank's files hold its slice of the split weights
+    sequence_parallel: int = 1  # Ulysses: whole weights, but other groups and replicas
 
     @classmethod
     def of_checkpoint(cls, state: dict) -> Topology:
@@ -62,18 +70,29 @@ class Topology:
             int(state.get("world", 1)),
             int(state.get("zero_stage", 0)),
             int(state.get("pipeline_stages", 1)),
+            int(state.get("tensor_parallel", 1)),
+            int(state.get("sequence_parallel", 1)),
         )
 
     def __str__(self) -> str:
-        pp = f", {self.pipeline_stages} pipeline stages" if self.pipeline_stages > 1 else ""
+        extra = "".join(
+            f", {n} {what}"
+            for n, what in (
+                (self.tensor_parallel, "tensor-parallel"),
+                (self.sequence_parallel, "sequence-parallel"),
+                (self.pipeline_stages, "pipeline stages"),
+            )
+            if n > 1
+        )
         ranks = "rank" if self.world == 1 else "ranks"
-        return f"{self.world} {ranks}, ZeRO-{self.zero_stage}{pp}"
+        return f"{self.world} {ranks}, ZeRO-{self.zero_stage}{extra}"
 
 
 def plan(saved: dict, now: Topology, mode: str = "auto") -> bool:
     """Whether to resume checkpoint state `saved` (its trainer_state) through a universal copy.
 
-    auto: only when world size, ZeRO stage or pipeline stages differ; always: every time;
+    auto: only when the world size, ZeRO stage, pipeline stages, tensor- or sequence-parallel
+    size differ; always: every time;
     never: refuse a changed topology. Raises CheckpointError (one line) for resumes that cannot
     work: another backend, or a change into or out of ZeRO-0."""
     if mode not in MODES:
@@ -97,17 +116,24 @@ def plan(saved: dict, now: Topology, mode: str = "auto") -> bool:
     if was.zero_stage == 0 or now.zero_stage == 0:
         # ZeRO-0 keeps whole, unpartitioned optimizer state that DeepSpeed's universal loader
         # does not read; every rank holds all of it, so only the world size may change.
-        if (was.zero_stage, was.pipeline_stages) == (now.zero_stage, now.pipeline_stages):
+        # The same holds across sequence-parallel sizes (whole weights); not across AutoTP's.
+        same = ("zero_stage", "pipeline_stages", "tensor_parallel")
+        if all(getattr(was, k) == getattr(now, k) for k in same):
             if mode == "always":
                 raise CheckpointError(
                     f"--universal always: checkpoint {tag} is ZeRO-0, which has no universal "
                     "form; it resumes as it is on any world size (use --universal auto)"
                 )
             return False
+        change = (
+            "moving into or out of ZeRO-0"
+            if was.zero_stage != now.zero_stage
+            else "changing a ZeRO-0 checkpoint's layout"
+        )
         raise CheckpointError(
-            f"checkpoint {tag} was saved on {was}; this run is {now}: moving into or out of "
-            "ZeRO-0 is not supported. Resume with the checkpoint's stage, or export it and "
-            "start from the folder with --model"
+            f"checkpoint {tag} was saved on {was}; this run is {now}: {change} is not "
+            "supported. Resume with the checkpoint's layout, or export it and start from the "
+            "folder with --model"
         )
     return mode == "always" or was != now
 
@@ -230,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"{root / utag}: resume from {tag} on any world size, ZeRO stage 1-3 or pipeline "
-        "layout (train.py picks it up)"
+        f"{root / utag}: resume from {tag} on any world size, ZeRO stage 1-3, pipeline, "
+        "tensor- or sequence-parallel layout (train.py picks it up)"
     )
     return 0
 

@@ -38,6 +38,12 @@ def iter_weights(
         for name, states, _ in ZeroFiles(folder).params(("fp32",)):
             yield from rename(name, states["fp32"])
         return
+    if state.get("tensor_parallel", 1) > 1:  # ZeRO-0: each rank's module holds its slices
+        raise WeightsError(
+            f"{folder}: a ZeRO-0 tensor-parallel checkpoint without optimizer files, whose "
+            "per-rank slices are not joined here; tensor-parallel runs with ZeRO-1 or 2 "
+            "(ds_configs/tp2.json) export"
+        )
     if state.get("pipeline_stages", 1) > 1:  # no ZeRO files (fp32): the layer files hold them
         yield from _pipeline_layer_weights(folder, config)
         return

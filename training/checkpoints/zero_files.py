@@ -2,10 +2,14 @@
 
 ZeRO-1/2 (and the pipeline engine, one set per stage) keep, per data-parallel rank, a slice of
 each parameter group's flat fp32 weights and Adam moments plus a map of where every parameter
-sits in it; ZeRO-3 keeps each parameter cut evenly across the ranks. `ZeroFiles` puts any
-parameter back together from either. The files are memory-mapped, and the pages under each
-piece go back to the kernel once it is copied out, so memory stays near one parameter whatever
-the model's size. The universal converter (universal.py) and export (weights.py)
+sits in it; ZeRO-3 keeps each parameter cut evenly across the ranks. Under tensor parallelism
+(AutoTP) each tensor-parallel rank has its own set of files (mp_rank_XX) holding its slice of
+the split weights: column-split ones join along dim 0, row-split ones along dim 1, and the
+rest are the same on every rank, as the layout AutoTP records in the checkpoint says.
+`ZeroFiles` puts any parameter back together from any of these. The files are memory-mapped,
+and the pages under each piece go back to the kernel once it is copied out, so memory stays
+near one parameter (one tensor-parallel parameter: its slices and their join) whatever the
+model's size. The universal converter (universal.py) and export (weights.py)
 read checkpoints through it.
 """
 
@@ -26,6 +30,7 @@ from training.checkpoints import safe_load
 from training.errors import CheckpointError
 
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants
 _OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL12 = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 _MODEL3 = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
@@ -70,6 +75,20 @@ class ZeroFiles:
             if not f.is_file():
                 raise CheckpointError(f"{self.folder}: {f.name} is missing")
         self._first = None
+        # mp_rank_XX is a pipeline stage under the pipeline engine (one layer_XX file per
+        # layer beside them) and a tensor-parallel rank under AutoTP. (DeepSpeed's recorded
+        # tp_degree is not the test: under Ulysses it reports the sequence-parallel size.)
+        pipelined = any(self.folder.glob("layer_*-model_states.pt"))
+        self.tensor_parallel = self.mp if self.mp > 1 and not pipelined else 1
+        self._tp_layout = None
+        if self.tensor_parallel > 1:
+            if self.stage == 3:
+                raise CheckpointError(
+                    f"{self.folder}: ZeRO-3 files of {self.mp} tensor-parallel ranks; only "
+                    "AutoTP with ZeRO 0-2 is readable"
+                )
+            top = load_mapped(self.model_files_by_mp[0])
+            self._tp_layout = _TensorLayout(self.folder, top.get(UNIVERSAL_CHECKPOINT_INFO))
 
     def params(self, keys=STATE_KEYS) -> Iterator[tuple[str, Mapping[str, torch.Tensor], object]]:
         """Yield (name, states, step) for every trained parameter, in the order the model
@@ -77,6 +96,8 @@ class ZeroFiles:
         full-shape fp32 tensor when asked, so only what is asked for is ever in memory."""
         if self.stage == 3:
             yield from self._params_stage3(keys)
+        elif self._tp_layout is not None:
+            yield from self._params_tensor_parallel(keys)
         else:
             yield from self._params_stage12(keys)
 
@@ -91,20 +112,50 @@ class ZeroFiles:
                 for name, shape in group.items():
                     if name in done:  # a tied weight that an earlier pipeline stage also holds
                         continue
-                    pieces = [
-                        (r, fa.start, fa.numel)
-                        for r, sd in enumerate(sds)
-                        if (fa := sd["param_slice_mappings"][g].get(name)) is not None
-                    ]
-                    numel = sum(n for _, _, n in pieces)
-                    if numel != math.prod(shape):
-                        raise CheckpointError(
-                            f"{self.folder}: {name} has {numel} of its {math.prod(shape)} "
-                            "elements in the optimizer files; the checkpoint is corrupt"
-                        )
-                    yield name, _States(flats, pieces, shape), step
+                    yield name, _States(flats, self._pieces(sds, g, name, shape), shape), step
                     done.add(name)
             del sds
+
+    def _params_tensor_parallel(self, keys):
+        """AutoTP: every tensor-parallel rank's file set holds every parameter (its slice, or
+        the whole of a replicated one); join the slices along the dimension AutoTP split."""
+        shapes = [load_mapped(f)["param_shapes"] for f in self.model_files_by_mp]
+        sds = [
+            [load_mapped(f)["optimizer_state_dict"] for f in files] for files in self.optim_files
+        ]
+        for g, group in enumerate(shapes[0]):
+            flats = [
+                {k: [_flat(sd, g, k) for sd in sds[mp]] for k in keys} for mp in range(self.mp)
+            ]
+            step = sds[0][0]["base_optimizer_state"]["state"][g].get("step")
+            for name in group:
+                slices = []
+                for mp in range(self.mp):
+                    local = shapes[mp][g].get(name) if g < len(shapes[mp]) else None
+                    if local is None:
+                        raise CheckpointError(
+                            f"{self.folder}: tensor-parallel rank {mp} holds no {name}; the "
+                            "checkpoint is corrupt"
+                        )
+                    pieces = self._pieces(sds[mp], g, name, local)
+                    slices.append(_States(flats[mp], pieces, local))
+                dim = self._tp_layout.split_dim(name, [s.shape for s in slices])
+                yield name, (slices[0] if dim is None else _Joined(slices, dim)), step
+
+    def _pieces(self, sds, g: int, name: str, shape) -> list[tuple[int, int, int]]:
+        """Where `name` lies in each data-parallel rank's flat group g: (rank, start, numel)."""
+        pieces = [
+            (r, fa.start, fa.numel)
+            for r, sd in enumerate(sds)
+            if (fa := sd["param_slice_mappings"][g].get(name)) is not None
+        ]
+        numel = sum(n for _, _, n in pieces)
+        if numel != math.prod(shape):
+            raise CheckpointError(
+                f"{self.folder}: {name} has {numel} of its {math.prod(shape)} "
+                "elements in the optimizer files; the checkpoint is corrupt"
+            )
+        return pieces
 
     def _params_stage3(self, keys):
         shapes = load_mapped(self.model_files_by_mp[0])["param_shapes"]
@@ -182,6 +233,77 @@ class _States(Mapping):
 
     def __len__(self) -> int:
         return len(self._flats)
+
+
+class _Joined(Mapping):
+    """One tensor-parallel parameter's states: its ranks' slices joined along `dim`."""
+
+    def __init__(self, slices: list[_States], dim: int):
+        self._slices, self._dim = slices, dim
+
+    @property
+    def shape(self) -> torch.Size:
+        shape = list(self._slices[0].shape)
+        shape[self._dim] = sum(s.shape[self._dim] for s in self._slices)
+        return torch.Size(shape)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return torch.cat([s[key] for s in self._slices], dim=self._dim)
+
+    def __iter__(self):
+        return iter(self._slices[0])
+
+    def __len__(self) -> int:
+        return len(self._slices[0])
+
+
+class _TensorLayout:
+    """How AutoTP split each parameter, from the universal_checkpoint_info DeepSpeed writes
+    into an AutoTP checkpoint's model-states files: row-split patterns join along dim 1,
+    replicated ones are taken from rank 0, the rest (column splits) join along dim 0. Each
+    joined shape is checked against the whole shape AutoTP recorded."""
+
+    def __init__(self, folder: Path, info):
+        need = ("parameter_with_row_parallelism_patterns", "tp_replicated_parameter_patterns")
+        if not isinstance(info, dict) or not all(k in info for k in need):
+            raise CheckpointError(
+                f"{folder}: a tensor-parallel checkpoint without AutoTP's record of how it split "
+                "each weight (universal_checkpoint_info, which zerostack's saves erased before "
+                "they kept it), so its slices cannot be joined"
+            )
+        fused = info.get("parameter_with_sub_params") or []
+        unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
+        if fused or unsupported:
+            what = ", ".join([*fused, *unsupported][:3])
+            raise CheckpointError(
+                f"{folder}: AutoTP split fused weights ({what}), which are not joined here"
+            )
+        self._row = [re.compile(p) for p in info["parameter_with_row_parallelism_patterns"]]
+        self._replicated = [re.compile(p) for p in info["tp_replicated_parameter_patterns"]]
+        params = (info.get("affine_map") or {}).get("params") or {}
+        self._whole = {p: tuple(m["logical_shape"]) for p, m in params.items()}
+        self._folder = folder
+
+    def split_dim(self, name: str, shapes: list[torch.Size]) -> int | None:
+        """The dimension the slices of `name` (shapes: per tensor-parallel rank) join along,
+        None for a replicated parameter."""
+        if any(p.match(name) for p in self._replicated):
+            dim = None
+        else:
+            dim = 1 if any(p.match(name) for p in self._row) else 0
+        if dim is None:
+            whole = tuple(shapes[0])
+        else:
+            whole = list(shapes[0])
+            whole[dim] = sum(s[dim] for s in shapes)
+            whole = tuple(whole)
+        recorded = self._whole.get(rf"^{re.escape(name)}$")
+        if recorded is not None and recorded != whole:
+            raise CheckpointError(
+                f"{self._folder}: {name}: its tensor-parallel slices {[tuple(s) for s in shapes]} "
+                f"do not make the shape {list(recorded)} AutoTP recorded"
+            )
+        return dim
 
 
 def _flat(sd: dict, group: int, key: str) -> torch.Tensor:

@@ -139,7 +139,13 @@ class DeepSpeedEngine(Engine):
 
     def save(self, root, tag: str, client_state: dict) -> None:
         # universal_checkpoint_info is what ds_to_universal needs to convert ZeRO-1/2 files.
-        state = {"universal_checkpoint_info": {}, **client_state}
+        # AutoTP attaches its own (which parameters are row-split, which replicated) and
+        # DeepSpeed writes it; client state is applied last, so an empty one would erase it.
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+        state = dict(client_state)
+        if getattr(self.engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
+            state[UNIVERSAL_CHECKPOINT_INFO] = {}
         self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
 
     def set_master_weights(self, weights) -> int:
@@ -164,7 +170,21 @@ class DeepSpeedEngine(Engine):
     def load(self, root, tag: str) -> None:
         """Load root/tag: a native checkpoint, or a universal copy when the config says
         checkpoint.load_universal (the resume plan sets it before initialize)."""
-        path, _ = self.engine.load_checkpoint(str(root), tag=tag, load_lr_scheduler_states=False)
+        mpu = self.sequence.mpu if self.sequence else None
+        shim = mpu is not None and not hasattr(mpu, "get_tensor_model_parallel_world_size")
+        if shim:
+            # DeepSpeed's universal loader asks the engine's mpu for the tensor-parallel size
+            # and stops on Ulysses's groups, which have none (their "model parallel" size is
+            # the sequence-parallel one, which would cut whole weights): here it is 1.
+            mpu.get_tensor_model_parallel_world_size = lambda: 1
+            mpu.get_tensor_model_parallel_rank = lambda: 0
+        try:
+            path, _ = self.engine.load_checkpoint(
+                str(root), tag=tag, load_lr_scheduler_states=False
+            )
+        finally:
+            if shim:
+                del mpu.get_tensor_model_parallel_world_size, mpu.get_tensor_model_parallel_rank
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {root}/{tag}")
         for group, hp in zip(self.engine.optimizer.param_groups, self._group_hparams):
