@@ -154,8 +154,9 @@ class Settings:
     )
     universal: str = flag(
         "auto",
-        "resume through a universal checkpoint: auto (when world size, ZeRO stage or pipeline "
-        "stages differ from the checkpoint's), always, or never (refuse such a resume)",
+        "resume through a universal checkpoint: auto (when world size, ZeRO stage, or pipeline, "
+        "tensor- or sequence-parallel sizes differ from the checkpoint's), always, or never "
+        "(refuse such a resume)",
         choices=["auto", "always", "never"],
     )
     peak_tflops: float | None = flag(
