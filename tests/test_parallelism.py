@@ -14,6 +14,8 @@ from training.train import main
 
 STEPS = ["--steps", "10", "--save-every", "-1"]
 SHAPES = "tests/scripts/shapes_train.py"
+TP2 = ["--ds_config", "ds_configs/tp2.json"]
+SP2 = ["--ds_config", "ds_configs/sp2.json"]
 
 
 def variant(tmp, name: str, base: str, **changes) -> list[str]:
@@ -101,7 +103,13 @@ def test_tp2_follows_one_rank_and_halves_the_split_layers(runs, name, ref, rel):
                 assert len(split) == 1 and mine[param][split[0]] * 2 == dims[split[0]], param
                 assert split[0] == (1 if param.split(".")[-2] in ("wo", "w2") else 0), param
     resolved = json.loads((runs[name] / "resolved_config.json").read_text())
-    assert resolved["parallel"] == {"world": 2, "pipeline": 1, "tensor": 2, "sequence": 1, "data": 1}
+    assert resolved["parallel"] == {
+        "world": 2,
+        "pipeline": 1,
+        "tensor": 2,
+        "sequence": 1,
+        "data": 1,
+    }
     assert [r["tensor_parallel"] for r in resolved["ranks"]] == [0, 1]
     assert len({r["first_batch_sha1"] for r in resolved["ranks"]}) == 1  # a TP pair reads alike
 
@@ -137,7 +145,13 @@ def test_tp2_x_dp2_on_four_ranks_shards_data_between_tp_groups(tiny_data, tmp_pa
     args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "2"]
     launch([*args, "--ds_config", "ds_configs/tp2.json", "--save-every", "-1"], nproc=4)
     resolved = json.loads((out / "resolved_config.json").read_text())
-    assert resolved["parallel"] == {"world": 4, "pipeline": 1, "tensor": 2, "sequence": 1, "data": 2}
+    assert resolved["parallel"] == {
+        "world": 4,
+        "pipeline": 1,
+        "tensor": 2,
+        "sequence": 1,
+        "data": 2,
+    }
     ranks = resolved["ranks"]
     assert [(r["data_parallel"], r["tensor_parallel"]) for r in ranks] == [
         (0, 0),
@@ -165,10 +179,6 @@ def refused(capsys, monkeypatch, tmp_path, argv, world=2):
     assert code == 2 and err.startswith("error: ") and "\n" not in err, err
     assert not (tmp_path / "run").exists()  # nothing was started
     return err
-
-
-TP2 = ["--ds_config", "ds_configs/tp2.json"]
-SP2 = ["--ds_config", "ds_configs/sp2.json"]
 
 
 def test_world_not_divisible_by_the_layout_is_refused(capsys, monkeypatch, tmp_path, base):
@@ -201,10 +211,25 @@ def test_heads_and_sequence_that_do_not_divide_are_refused(capsys, monkeypatch, 
     assert "--seq-len 63 is not divisible by sequence_parallel_size=2" in err
 
 
-def test_sp_with_native_backend_or_document_masks_is_refused(
-    capsys, monkeypatch, tmp_path, base
-):
+def test_sp_with_native_backend_or_document_masks_is_refused(capsys, monkeypatch, tmp_path, base):
     err = refused(capsys, monkeypatch, tmp_path, [*base, *SP2, "--backend", "ddp"])
     assert "sequence_parallel_size is DeepSpeed's" in err
     err = refused(capsys, monkeypatch, tmp_path, [*base, *SP2, "--doc-mask"])
     assert "--doc-mask with sequence_parallel_size > 1" in err
+
+
+@pytest.mark.slow
+def test_tp2_continues_a_folder_from_its_exact_weights(tiny_data, tmp_path):
+    """bf16 from a folder: the fp32 master weights are set from the folder's, each rank taking
+    its slice of the split layers (a whole matrix copied into a slice would move the weights
+    and the losses from the second step on)."""
+    from models import build_model
+
+    folder = tmp_path / "init"
+    build_model("tiny", vocab_size=512).save_pretrained(folder)
+    common = ["--data", str(tiny_data), *TINY_RUN, "--model", str(folder), "--steps", "4"]
+    common += ["--save-every", "-1"]
+    launch([*common, "--out", str(tmp_path / "one"), "--ds_config", "ds_configs/zero1.json"], 1)
+    launch([*common, "--out", str(tmp_path / "tp2"), *TP2], 2)
+    got, want = losses(tmp_path / "tp2"), losses(tmp_path / "one")
+    assert all(close(a, b, 2e-3) for a, b in zip(got, want)), (got, want)

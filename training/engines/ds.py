@@ -159,6 +159,8 @@ class DeepSpeedEngine(Engine):
             if p is None:
                 continue
             value = value.float()
+            if value.shape != p.shape and not hasattr(p, "ds_id"):
+                value = self._tensor_parallel_slice(value, p.shape, name)
             if hasattr(p, "ds_id"):  # ZeRO-3 cuts rank slices out of the padded flat value
                 world = dist.get_world_size(group=p.ds_process_group)
                 value = F.pad(value.flatten(), (0, p.partition_numel() * world - value.numel()))
@@ -166,6 +168,16 @@ class DeepSpeedEngine(Engine):
                 safe_set_full_fp32_param(p, value)
                 n += 1
         return n
+
+    def _tensor_parallel_slice(self, value, shape, name: str):
+        """This rank's part of a whole weight that AutoTP split: equal contiguous slices along
+        the one dimension that differs (output features for column splits, input features for
+        row splits), in tensor-parallel rank order, as AutoTP cuts whole heads and columns."""
+        dims = [d for d, (a, b) in enumerate(zip(value.shape, shape)) if a != b]
+        if self.tensor_parallel == 1 or len(dims) != 1 or len(value.shape) != len(shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)} does not fit {tuple(shape)}")
+        rank = self.engine.mpu.get_tensor_model_parallel_rank()
+        return value.chunk(self.tensor_parallel, dims[0])[rank]
 
     def load(self, root, tag: str) -> None:
         """Load root/tag: a native checkpoint, or a universal copy when the config says

@@ -73,11 +73,13 @@ class SequenceParallel:
         positions = torch.arange(start, start + chunk, device=x.device).expand(x.shape[0], chunk)
         self._positions = positions
         part = slice(start, start + chunk)
+        # Contiguous: transformers' loss views the targets flat.
+        mine = y[:, part].contiguous()
         return {
-            "input_ids": x[:, part],
-            "labels": y[:, part],
+            "input_ids": x[:, part].contiguous(),
+            "labels": mine,
             # y is already shifted: the slice's last target is the next slice's first input.
-            "shift_labels": y[:, part],
+            "shift_labels": mine,
             "position_ids": positions,
             "num_items_in_batch": (y != IGNORE_INDEX).sum(),
         }
