@@ -76,11 +76,14 @@ def _torchrun(
 
 
 # ------------------------------------------------------------------------------ the runs
-def job_flags(a) -> list[str]:
-    """The train.py flags every engine shares: the same work."""
+def job_flags(a, replicas: int = 0) -> list[str]:
+    """The train.py flags every engine shares: the same work. An engine with fewer
+    data-parallel replicas than ranks (tensor, sequence or pipeline parallel) accumulates
+    proportionally more micro-batches, so every run steps on the same global batch."""
+    accum = a.grad_accum * a.ranks // (replicas or a.ranks)
     return [
         *("--data", str(a.data), "--model", a.init, "--seq-len", str(a.seq_len)),
-        *("--micro-batch", str(a.micro_batch), "--grad-accum", str(a.grad_accum)),
+        *("--micro-batch", str(a.micro_batch), "--grad-accum", str(accum)),
         *("--steps", str(a.steps), "--seed", str(a.seed), "--lr", str(a.lr)),
         *("--warmup", str(max(1, a.steps // 10)), "--log-every", "1", "--eval-every", "0"),
         *("--eval-samples", str(a.eval_samples), "--save-every", "-1", "--resume", "never"),
@@ -117,11 +120,26 @@ def engine_flags(name: str) -> list[str]:
     return ["--ds_config", f"ds_configs/{name}.json"]
 
 
+def replicas(name: str, ranks: int) -> int:
+    """Data-parallel replicas of an engine on `ranks` ranks: world / (pp x tp x sp), by the
+    trainer's own rule (training/settings/parallel.py); the native engines are all data."""
+    if name in NATIVE or name == "fsdp_hold":
+        return ranks
+    from training.errors import ConfigError
+    from training.settings import ds_config, parallel
+
+    path = REPO / "ds_configs" / f"{name}.json"
+    try:
+        return parallel.layout(ds_config.load_json(path), ranks, str(path)).data
+    except ConfigError:  # a layout the trainer refuses: the run says why, in its own line
+        return ranks
+
+
 def run_engine(name: str, a, repeat: int = 0) -> dict:
     out = Path(a.runs) / (name if repeat == 0 else f"{name}.{repeat}")
     t = time.time()
     hold = {"ZEROSTACK_FSDP_HOLD": "1" if name == "fsdp_hold" else "0"} if "fsdp" in name else {}
-    flags = [*job_flags(a), *engine_flags(name), "--out", str(out)]
+    flags = [*job_flags(a, replicas(name, a.ranks)), *engine_flags(name), "--out", str(out)]
     p = _torchrun(a, "training/train.py", flags, env=hold)
     if p.returncode != 0:
         err = [x for x in (p.stderr + p.stdout).splitlines() if x.startswith("error: ")]
@@ -158,7 +176,18 @@ def summarize(run_dir: Path, name: str) -> dict:
         "ceiling": resolved["peak_flops_per_rank"],  # measured in this run, per rank
         "shm_all_reduce": resolved.get("shm_all_reduce", False),
         "batch_tokens": resolved["ds_config"]["train_batch_size"] * resolved["flags"]["seq_len"],
+        "layout": layout_text(resolved.get("parallel") or {"data": resolved["world"]}),
+        "grad_accum": resolved["ds_config"]["gradient_accumulation_steps"],
     }
+
+
+def layout_text(parallel: dict) -> str:
+    """`{"tensor": 2, "data": 1, ...}` -> "1 data x 2 tensor": how the run's ranks divide."""
+    parts = [f"{parallel.get('data', 1)} data"]
+    parts += [
+        f"{parallel[k]} {k}" for k in ("tensor", "sequence", "pipeline") if parallel.get(k, 1) > 1
+    ]
+    return " x ".join(parts)
 
 
 # ------------------------------------------------------------------------------ reference
@@ -306,7 +335,10 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         f"{a.grad_accum} accumulation x {a.ranks} ranks = {first.get('batch_tokens', 0):,} "
         f"tokens per step, {a.steps} steps, seed {a.seed}, the same schedule for all. Every row "
         f"is a real {a.ranks}-rank run of `training/train.py`; the reference is a few-line "
-        "nanoGPT-style DDP loop of the same model (`benchmarks/compare.py: reference`).",
+        "nanoGPT-style DDP loop of the same model (`benchmarks/compare.py: reference`). "
+        "A run with fewer data-parallel replicas than ranks (tensor, sequence or pipeline "
+        "parallel: replicas = world / (tp x sp x pp)) accumulates proportionally more "
+        "micro-batches, so every row steps on the same global batch (the `ranks` column).",
         "",
         f"Tokens/s is the median over steps {WARMUP_STEPS + 1}-{a.steps}"
         + (f", the best of {a.repeats} runs of each (run round-robin)" if a.repeats > 1 else "")
@@ -325,20 +357,21 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
             else ""
         ),
         "",
-        "| engine | precision | tokens/s | vs DDP | MFU | peak memory / rank (GiB) | "
+        "| engine | precision | ranks | tokens/s | vs DDP | MFU | peak memory / rank (GiB) | "
         "params | grads | optimizer | buffers | model states / rank (MiB) | planned (MiB) | "
         "train loss | val loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         label = _label(r["name"])
         if "error" in r:
-            lines.append(f"| {label} | | not run: {r['error']} |" + " |" * 11)
+            lines.append(f"| {label} | | | not run: {r['error']} |" + " |" * 11)
             continue
         st = r.get("states", {})
         vs = f"{r['tokens_per_s'] / ddp:.2f}x" if ddp else ""
+        ranks = r.get("layout", "") + (f", {r['grad_accum']} accum" if "grad_accum" in r else "")
         lines.append(
-            f"| {label} | {r.get('precision', 'bf16')} | {r['tokens_per_s']:,.0f} | {vs} | "
+            f"| {label} | {r.get('precision', 'bf16')} | {ranks} | {r['tokens_per_s']:,.0f} | {vs} | "
             f"{r['mfu']:.1%} | {r['peak_mem_gb']:.2f} | {_mib(st.get('params'))} | "
             f"{_mib(st.get('grads'))} | {_mib(st.get('optimizer'))} | "
             f"{_mib(st.get('buffers'))} | {_mib(st.get('total'))} | "

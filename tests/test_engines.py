@@ -343,3 +343,30 @@ def test_compare_floors_use_paired_rounds():
     assert [round(r, 3) for r in rounds] == [1.065, 0.913, 1.013] and ratio == rounds[2]
     assert floor_ratio({"tokens_per_s": 90}, {"tokens_per_s": 100}) == (0.9, [])
     assert floor_ratio({}, ref) == (None, [])
+
+
+def test_compare_keeps_the_global_batch_for_every_layout():
+    """benchmarks/compare gives a layout with fewer data-parallel replicas than ranks (tensor,
+    sequence, pipeline) proportionally more accumulation: every row steps on the same batch."""
+    import argparse
+
+    from benchmarks.compare import job_flags, replicas
+
+    a = argparse.Namespace(
+        data="d",
+        init="m",
+        seq_len=64,
+        micro_batch=2,
+        grad_accum=2,
+        steps=4,
+        seed=1,
+        lr=1e-3,
+        eval_samples=4,
+        ranks=2,
+    )
+    assert [replicas(n, 2) for n in ("ddp", "zero2", "tp2", "sp2", "pipeline")] == [2, 2, 1, 1, 1]
+    assert replicas("tp2", 3) == 3  # a layout the trainer refuses: the run itself says why
+    for name in ("zero2", "tp2"):
+        flags = job_flags(a, replicas(name, a.ranks))
+        accum = int(flags[flags.index("--grad-accum") + 1])
+        assert 2 * accum * replicas(name, a.ranks) == 2 * 2 * 2, (name, accum)
