@@ -35,6 +35,7 @@ from training.errors import (
     LaunchError,
     SaveFailed,
 )
+from training.memory import oom
 from training.runtime import distributed, liveness, runlock, signals
 
 EXIT_RECORD = "exit.json"
@@ -65,6 +66,8 @@ def run_guarded(train, *, rank: int, world: int, run_dir) -> int:
 def _guarded(train, rank: int, world: int, run_dir) -> int:
     stop = signals.install(rank)
     live = liveness.start(rank, world)
+    # The kernel's OOM-kill record as it stood when this run began (a dead peer is checked against it)
+    oom_since = (oom.uptime_s(), oom.oom_kill_count())
 
     def say(line: str, everyone: bool = False) -> None:
         if rank == 0 or everyone:
@@ -74,6 +77,7 @@ def _guarded(train, rank: int, world: int, run_dir) -> int:
     def lost(gone: dict, code: int):
         """Another rank is gone: say which (the lowest survivor does), and exit at once."""
         latest = find_latest(Path(run_dir) / "checkpoints")
+        gone = _explain_memory(gone, live, oom_since)
         alive = sorted(set(range(world)) - set(gone))
         resume = latest or "the start (no complete checkpoint yet)"
         speaker = bool(alive) and rank == alive[0]
@@ -118,6 +122,9 @@ def _guarded(train, rank: int, world: int, run_dir) -> int:
             _end(SAVE_FAILED, str(e), rank)
             _exit_now(SAVE_FAILED)
         why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if oom.is_oom(e):  # said as out of memory, with what this rank held and the plan's advice
+            why = "out of memory: " + oom.describe(oom.what_failed(e), *oom.rss_bytes())
+            say(f"error: rank {rank}: {why}", everyone=True)
         if live:
             live.last_words(CRASHED, why)
         record_ending(CRASHED, f"rank {rank}: {why}", rank=rank, blamed=rank)
@@ -130,6 +137,24 @@ def _guarded(train, rank: int, world: int, run_dir) -> int:
         signals.ignore_from_now()
     _end(code, f"stopped by {signals.name(stop.signum)}" if stop.honored else "finished", rank)
     return code
+
+
+def _explain_memory(gone: dict, live: liveness.Liveness, since: tuple) -> dict:
+    """A rank that stopped answering, said more exactly: killed by the kernel's OOM killer (the
+    kernel log names its pid, or the memory cgroup counted a kill since we started), with what
+    it held when last seen; otherwise what it held is added to the line."""
+    out = dict(gone)
+    for r, why in gone.items():
+        seen = live.seen(r) if r >= 0 and why.startswith("is not responding") else None
+        if seen is None:
+            continue
+        here = seen["host"] == socket.gethostname()
+        if here and oom.killed_by_oom(seen["pid"], *since):
+            how = "was killed by the kernel's OOM killer: out of memory"
+            out[r] = oom.describe(how, seen["rss"], seen["peak"])
+        else:
+            out[r] = f"{why}; it held {oom.fmt(seen['rss'])} when last seen"
+    return out
 
 
 def _check_peers_then_announce(stop: signals.StopRequest, live: liveness.Liveness) -> None:

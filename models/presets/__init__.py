@@ -1,6 +1,6 @@
 """Model size presets as data, and the model's cost by formula (parameters, training FLOPs per token).
 
-`tiny` is for tests, `small` for the quickstart. 125M-1.3B follow GPT-3's shapes (hidden, layers, heads) with a
+`tiny` is for tests, `small` for the quickstart. 125M-2.7B follow GPT-3's shapes (hidden, layers, heads) with a
 SwiGLU width of about 8/3 hidden, rounded up to a multiple of 256, and tied embeddings; 7B and 13B are Llama 2's
 shapes. Names are nominal: the parameter count depends on the vocabulary, which the data's tokenizer decides
 (`get_config(name, vocab_size=...)`); `python -m models.presets` prints the table.
@@ -64,6 +64,17 @@ PRESETS: dict[str, dict] = {
         intermediate_size=5632,
         num_hidden_layers=24,
         num_attention_heads=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    # GPT-3 2.7B's shape (2560 wide, 32 layers, 32 heads): the largest whose training states
+    # (about 16 bytes a parameter) NVMe offload can train on a 24 GiB host (docs/scale.md)
+    "2.7B": dict(
+        vocab_size=32000,
+        hidden_size=2560,
+        intermediate_size=6912,
+        num_hidden_layers=32,
+        num_attention_heads=32,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     ),

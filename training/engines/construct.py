@@ -9,6 +9,7 @@ import deepspeed
 from transformers.integrations import HfDeepSpeedConfig
 
 from models import build_model
+from training.memory.heap import freed_blocks_returned
 from training.settings.ds_config import zero_stage
 
 
@@ -25,12 +26,17 @@ class ZeRO3Partitioned:
         return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
-def build_for_engine(spec: str, *, vocab_size: int | None, backend: str, ds_config: dict):
+def build_for_engine(
+    spec: str, *, vocab_size: int | None, backend: str, ds_config: dict, overrides=None
+):
     """The model named by spec (a preset or a folder), built for `backend` with `ds_config`:
     partitioned from the start under DeepSpeed ZeRO-3, whole otherwise."""
     if backend != "deepspeed" or zero_stage(ds_config) != 3:
-        return build_model(spec, vocab_size=vocab_size)
+        return build_model(spec, vocab_size=vocab_size, overrides=overrides)
     partitioned = ZeRO3Partitioned(ds_config)
-    model = build_model(spec, vocab_size=vocab_size, partitioned=partitioned)
+    with freed_blocks_returned():  # the freed whole modules must not stay on the heap
+        model = build_model(
+            spec, vocab_size=vocab_size, overrides=overrides, partitioned=partitioned
+        )
     model.hf_deepspeed_config = partitioned.hf_config  # keeps ZeRO-3 on while the model lives
     return model

@@ -41,7 +41,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from data import DataError, load_data
-from models import PRESETS, ModelError, ZeroStackForCausalLM, get_config
+from models import PRESETS, ModelError, ZeroStackConfig, ZeroStackForCausalLM, get_config
 from models.hub import is_hub_name, resolve_pretrained
 from training.errors import ConfigError
 from training.runtime.distributed import accelerator
@@ -50,6 +50,10 @@ from training.settings.ds_config import CONFIG_DIR
 from training.settings.flags import Settings
 
 GiB = 2**30
+# Plan for this much memory instead of what the machine has (the trainer's check and this
+# command alike): to rehearse a smaller machine, or to leave room for other work.
+HOST_MEM_ENV = "ZEROSTACK_HOST_MEM_GIB"
+DEVICE_MEM_ENV = "ZEROSTACK_DEVICE_MEM_GIB"
 HEADROOM = 0.9  # plan to use at most this share of a device: allocators fragment
 RUNTIME_BYTES = {"cuda": int(0.75 * GiB), "cpu": int(0.5 * GiB)}
 # Cheapest first: no sharding, then more sharding, then recomputation, then offload.
@@ -65,7 +69,20 @@ CANDIDATES = [
     ("zero3_nvme.json", True),
 ]
 LOCATIONS = ("device", "host", "nvme")
-CATEGORIES = ("params", "grads", "optimizer", "buffers", "activations", "runtime")
+CATEGORIES = (
+    "params",
+    "grads",
+    "optimizer",
+    "buffers",
+    "working",
+    "activations",
+    "heap",
+    "runtime",
+)
+# On a CPU the trainer keeps freed blocks on glibc's heap for the next step (keep_freed_memory):
+# what one phase frees (activations, in backward) the next (the optimizer step) cannot always
+# reuse. Measured (docs/scale.md): the step's transients cost about twice their size in RSS.
+CPU_HEAP_SLACK = 1.0
 STATE_CATEGORIES = ("params", "grads", "optimizer", "buffers")
 
 
@@ -111,7 +128,6 @@ def model_shape(spec: str, vocab_size: int | None = None) -> ModelShape:
     """Count a preset's or an HF folder's parameters on the meta device (no memory, no weights)."""
     if spec in PRESETS:
         cfg = get_config(spec, **({"vocab_size": vocab_size} if vocab_size else {}))
-        build = lambda: ZeroStackForCausalLM._from_config(cfg)  # noqa: E731
     elif is_hub_name(spec) or Path(spec).is_dir():
         spec = str(resolve_pretrained(spec, what="--model"))
         if not (Path(spec) / "config.json").is_file():
@@ -119,18 +135,25 @@ def model_shape(spec: str, vocab_size: int | None = None) -> ModelShape:
         cfg = AutoConfig.from_pretrained(spec)
         if vocab_size and vocab_size > cfg.vocab_size:
             cfg.vocab_size = vocab_size
-        build = lambda: AutoModelForCausalLM.from_config(cfg)  # noqa: E731
     else:
         raise ModelError(f"--model {spec}: not a preset ({', '.join(PRESETS)}) and not a folder")
+    return shape_of_config(cfg, spec)
+
+
+def shape_of_config(cfg, name: str) -> ModelShape:
+    """The ModelShape of a model config (ours or any HF causal LM's), built on the meta device."""
     with torch.device("meta"):
-        model = build()
+        if isinstance(cfg, ZeroStackConfig):
+            model = ZeroStackForCausalLM._from_config(cfg)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg)
     # ds_numel: a ZeRO-3 model alive in this process makes transformers build under zero.Init
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
     unique = {id(p): numel(p) for p in model.parameters()}  # tied weights count once
     largest = max(sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules())
     hidden = cfg.hidden_size  # HF configs map their own names (n_embd, ...) onto these
     return ModelShape(
-        name=spec,
+        name=name,
         params=sum(unique.values()),
         largest_layer=largest,
         layers=cfg.num_hidden_layers,
@@ -190,6 +213,10 @@ def plan(
     per["activations"]["device"] = activation_bytes(
         shape, micro, seq_len, w, activation_checkpointing
     )
+    per["working"]["device"] = working_bytes(shape, ds_cfg, world, per["activations"]["device"])
+    if device_type == "cpu":
+        transient = per["working"]["device"] + per["activations"]["device"]
+        per["heap"]["host"] = CPU_HEAP_SLACK * transient
     per["runtime"]["device" if device_type != "cpu" else "host"] = RUNTIME_BYTES.get(
         device_type, RUNTIME_BYTES["cuda"]
     )
@@ -267,6 +294,34 @@ def model_state_placement(
     return per
 
 
+def working_bytes(shape: ModelShape, ds_cfg: dict, world: int, activations: int) -> int:
+    """What a step holds for a while beside the model states, the larger of its two phases:
+    ZeRO-3's gathered parameters in forward and backward (DeepSpeed keeps a gathered parameter
+    whole until its reuse in backward when that comes within stage3_max_reuse_distance
+    elements, up to stage3_max_live_parameters: for a model under ~500M parameters, all of it),
+    and the optimizer step's fp32 copy of this rank's gradient partition (ZeRO 1-3 without
+    optimizer offload; ZeRO-3 offloading it to NVMe, before the swap-out), which reuses what
+    the activations freed."""
+    zero = ds_cfg.get("zero_optimization", {})
+    stage = ds_config.zero_stage(ds_cfg)
+    w = 4 if ds_config.precision(ds_cfg) == "fp32" else 2
+    dp = max(1, world // ds_config.pipeline_stages(ds_cfg))
+    gathered = 0
+    if stage == 3:
+        live = _int(zero.get("stage3_max_live_parameters"), 1_000_000_000)
+        reuse = _int(zero.get("stage3_max_reuse_distance"), 1_000_000_000)
+        kept = min(shape.params, live, max(reuse // 2, shape.largest_layer))
+        gathered = w * max(kept, shape.largest_layer)  # at least the module in use
+    step = 0
+    if stage >= 1 and _device(zero, "optimizer") == "none" and w == 2:
+        step = max(0, 4 * shape.params // dp - activations)
+    if stage == 3 and _device(zero, "optimizer") == "nvme":
+        # At the boundary DeepSpeed casts every gradient of the partition to fp32 and holds them
+        # all until they are swapped out (stage3._finalize_offload_gradient_accumulation).
+        step = max(0, 4 * shape.params // dp - activations)
+    return max(gathered, step)
+
+
 def activation_bytes(shape: ModelShape, micro: int, seq_len: int, w: int, ckpt: bool) -> int:
     """A rough count of what backward needs from forward, for one micro-batch."""
     tokens = micro * seq_len
@@ -326,6 +381,8 @@ def capacity(
     acc = accelerator()
     here = acc.device_name()
     kind = device or here
+    host_mem_gib = host_mem_gib or _env_gib(HOST_MEM_ENV)
+    device_mem_gib = device_mem_gib or _env_gib(DEVICE_MEM_ENV)
     host = int(host_mem_gib * GiB) if host_mem_gib else psutil.virtual_memory().total
     if kind == "cpu":
         dev = host
@@ -339,6 +396,19 @@ def capacity(
     while not d.exists() and d != d.parent:
         d = d.parent
     return Capacity(kind, dev, host, shutil.disk_usage(d).free)
+
+
+def _env_gib(name: str) -> float | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: give a number of GiB") from None
+    if not math.isfinite(gib) or gib <= 0:
+        raise ConfigError(f"{name}={value!r}: give a positive number of GiB")
+    return gib
 
 
 def fits(p: Plan, cap: Capacity) -> tuple[bool, str]:
@@ -403,6 +473,112 @@ def cheapest_fit(
     return None
 
 
+# ---------------------------------------------------------------------------- the trainer's check
+@dataclass
+class Verdict:
+    """The plan of a run against this machine, and the shipped configs that would fit."""
+
+    plan: Plan
+    capacity: Capacity
+    fits: bool
+    needs: str  # fits()'s line
+    cheapest: Plan | None  # the cheapest shipped config that fits (None: none does)
+    roomier: Plan | None  # the first that fits holding less per rank than this run's config
+
+    def refusal(self) -> str:
+        """One line: what does not fit, what would, and how to try anyway."""
+        short = "; ".join(part for part in self.needs.split("; ") if "does NOT fit" in part)
+        return (
+            f"{self.plan.config}: the memory plan says this run does not fit this machine "
+            f"({short.replace(' -> does NOT fit', '')}, planning to use at most "
+            f"{HEADROOM:.0%}); {self._fix()}; --force starts it anyway "
+            "(python -m training.memory_plan shows the plan)"
+        )
+
+    def advice(self) -> str:
+        """One line for a rank that ran out of memory: the plan and the roomier config."""
+        p = self.plan
+        mine = f"the memory plan for this run was {_fmt(in_memory(p))} per rank"
+        better = self.roomier
+        if better is None:
+            return (
+                f"{mine}; no shipped config plans much less here: more hosts, or a shorter "
+                "--seq-len or --micro-batch"
+            )
+        return f"{mine}; {_name(better)} plans {_fmt(in_memory(better))}"
+
+    def _fix(self) -> str:
+        if self.cheapest is None:
+            return (
+                f"no shipped config fits {self.plan.world} rank(s) here: more hosts, a smaller "
+                "--micro-batch or --seq-len"
+            )
+        return f"{_name(self.cheapest)} fits"
+
+
+def _name(p: Plan) -> str:
+    return p.config + (" with --activation-checkpointing" if p.activation_checkpointing else "")
+
+
+def in_memory(p: Plan) -> int:
+    """What one rank holds in memory: device + host (one memory on a CPU), NVMe left out."""
+    return p.total("device") + p.total("host")
+
+
+def check_run(
+    shape: ModelShape,
+    ds_cfg: dict,
+    world: int,
+    *,
+    config_name: str,
+    seq_len: int,
+    activation_checkpointing: bool,
+    ranks_per_host: int | None = None,
+    nvme_dir: str | None = None,
+) -> Verdict:
+    """The trainer's check before any work: this run's plan against this machine (or the memory
+    ZEROSTACK_HOST_MEM_GIB / ZEROSTACK_DEVICE_MEM_GIB say), and the shipped configs that fit."""
+    cap = capacity(nvme_dir=nvme_dir or ".")
+    if nvme_dir and Path(nvme_dir).is_dir():  # a resumed run's swap files are reused, not added
+        cap.nvme_bytes = (cap.nvme_bytes or 0) + _folder_bytes(Path(nvme_dir))
+    micro = ds_cfg.get("train_micro_batch_size_per_gpu")
+    kw = dict(seq_len=seq_len, ranks_per_host=ranks_per_host, device_type=cap.device_type)
+    p = plan(
+        shape,
+        ds_cfg,
+        world,
+        config_name=config_name,
+        activation_checkpointing=activation_checkpointing,
+        **kw,
+    )
+    ok, needs = fits(p, cap)
+    cheapest = roomier = None
+    for name, ckpt in CANDIDATES:
+        path = CONFIG_DIR / name
+        if not path.is_file():
+            continue
+        cfg = resolve_config(path, shape, world, micro, cap.device_type)
+        c = plan(
+            shape, cfg, world, config_name=f"ds_configs/{name}", activation_checkpointing=ckpt, **kw
+        )
+        if not fits(c, cap)[0]:
+            continue
+        cheapest = cheapest or c
+        if roomier is None and in_memory(c) < 0.9 * in_memory(p):  # a real saving, not noise
+            roomier = c
+    return Verdict(p, cap, ok, needs, cheapest, roomier)
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for f in folder.rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            continue
+    return total
+
+
 # ---------------------------------------------------------------------------- the command
 def _fmt(b: float) -> str:
     for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
@@ -425,6 +601,8 @@ def report(p: Plan, cap: Capacity) -> str:
         "grads": "gradients",
         "optimizer": "optimizer states",
         "buffers": "reduce buckets",
+        "working": "working set (est.)",
+        "heap": "heap slack (cpu)",
         "activations": "activations (est.)",
         "runtime": "runtime",
     }

@@ -20,6 +20,8 @@ a timed-out collective."""
 from __future__ import annotations
 
 import os
+import resource
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -101,6 +103,8 @@ class Liveness:
                     store = self._connect(10)
                 store.add(self._key("beat", self.rank), 1)
                 store.set(self._key("step", self.rank), str(self.step))
+                # What this rank holds, for a survivor to say if it dies (an OOM kill says nothing)
+                store.set(self._key("mem", self.rank), _memory_note())
             except Exception:
                 store = None  # not up yet (rank 0 starts it with the process group), or gone
             self._stop.wait(self.interval)
@@ -114,6 +118,19 @@ class Liveness:
             self._connect(5).set(self._key("words", self.rank), f"{code}|{text}")
         except Exception:
             pass
+
+    def seen(self, rank: int) -> dict | None:
+        """What `rank` last said about itself: pid, host, resident and peak bytes (None if it
+        never beat, or the store is gone)."""
+        try:
+            store = self._connect(5)
+            key = self._key("mem", rank)
+            if not store.check([key]):
+                return None
+            pid, host, rss, peak = store.get(key).decode().split("|")
+            return {"pid": int(pid), "host": host, "rss": int(rss), "peak": int(peak)}
+        except Exception:
+            return None
 
     def roll_call(self, window_s: float = 3.0, stuck: bool = True) -> tuple[dict[int, str], int]:
         """({rank: why it is gone or stuck}, the exit code to use). Empty when every other rank
@@ -151,6 +168,17 @@ class Liveness:
             if self.agent_store:
                 return {-1: f"{where}: the launcher's host is gone"}, LOST_RANK
             return {0: f"is gone ({where}, and rank 0 hosted it)"}, LOST_RANK
+
+
+def _memory_note() -> str:
+    """'pid|host|rss|peak rss' of this process (bytes; Linux /proc, else the peak for both)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        rss = peak
+    return f"{os.getpid()}|{socket.gethostname()}|{rss}|{max(rss, peak)}"
 
 
 def describe(gone: dict[int, str]) -> str:

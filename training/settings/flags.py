@@ -180,6 +180,11 @@ class Settings:
     dist_timeout: float = flag(
         600.0, "seconds before a collective gives up (a hung rank is named after this)"
     )
+    force: bool = flag(
+        False,
+        "start even when the memory plan (python -m training.memory_plan) says the run does not "
+        "fit this machine's memory or disk",
+    )
     max_bad_steps: int = flag(
         5,
         "stop after this many consecutive steps with a non-finite loss or gradient norm "
