@@ -233,3 +233,25 @@ def test_tp2_continues_a_folder_from_its_exact_weights(tiny_data, tmp_path):
     launch([*common, "--out", str(tmp_path / "tp2"), *TP2], 2)
     got, want = losses(tmp_path / "tp2"), losses(tmp_path / "one")
     assert all(close(a, b, 2e-3) for a, b in zip(got, want)), (got, want)
+
+
+def test_a_model_whose_tp_plan_deepspeed_cannot_apply_is_refused(
+    capsys, monkeypatch, tmp_path, base
+):
+    """Phi-3's plan splits its fused projections in a style AutoTP refuses inside
+    deepspeed.initialize, after every rank started: refused before, naming the style."""
+    from transformers import Phi3Config
+
+    folder = tmp_path / "phi3"
+    Phi3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    ).save_pretrained(folder)
+    err = refused(capsys, monkeypatch, tmp_path, [*base[:-1], str(folder), *TP2])
+    assert "rowwise_split_input" in err and "partition_config" in err

@@ -218,9 +218,24 @@ def test_weights_that_do_not_match_their_config(capsys, base, tmp_path):
     assert "has shape" in line and "of different models" in line
 
 
-def test_seq_len_longer_than_the_model(capsys, base):
-    line = refused(capsys, [*base, "--seq-len", "512"])  # tiny has 256 positions
-    assert "--seq-len 512 is longer than --model tiny's 256 positions" in line
+def test_seq_len_longer_than_the_model(capsys, base, tmp_path):
+    folder = _model_folder(tmp_path)  # tiny's 256 positions, as trained
+    line = refused(capsys, [*base, "--model", str(folder), "--seq-len", "512"])
+    assert f"--seq-len 512 is longer than --model {folder}'s 256 positions" in line
+
+
+def test_a_preset_is_built_for_a_longer_sequence():
+    """A preset has no trained positions: long context widens its rotary range instead."""
+    from models import build_model
+    from training.preflight import model_config, model_overrides
+
+    assert model_overrides("tiny", 256) == {}
+    overrides = model_overrides("tiny", 512)
+    assert model_config("tiny", 512, overrides).max_position_embeddings == 512
+    model = build_model("tiny", vocab_size=512, overrides=overrides)
+    assert model.config.max_position_embeddings == 512
+    x = torch.randint(0, 512, (1, 512))
+    assert model(x).logits.shape == (1, 512, 512)
 
 
 def test_seq_len_longer_than_the_data(capsys, tiny_data, tmp_path):

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from data import load_data
 from data.manifest import MANIFEST, Manifest
-from models import ModelError, get_config
+from models import PRESETS, ModelError, get_config
 from models.hub import resolve_pretrained
 from training.checkpoints import safe_load
 from training.checkpoints.resume import ResumePlan, plan_resume
@@ -48,6 +48,7 @@ class Prepared:
     optimizer: OptimizerConfig | None = None
     schedule: Schedule | None = None
     activation_checkpointing: bool = False  # the flag, or the config's section
+    model_overrides: dict | None = None  # config fields the model is built with (positions)
 
     @property
     def micro_batch(self) -> int:
@@ -88,7 +89,8 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     # The config's own mistakes first: before the data's checksums are read.
     ds_config.precheck(raw, flags=settings.as_flags(), source=cfg_path, device_type=device)
     manifest = load_data(settings.data, settings.seq_len, verify=True, log=rank0_printer(rank))
-    model_cfg = model_config(settings.model, manifest.vocab_size)
+    overrides = model_overrides(settings.model, settings.seq_len)
+    model_cfg = model_config(settings.model, manifest.vocab_size, overrides)
     check_lengths(settings, model_cfg, manifest)
     raw = nvme.override_path(raw, settings.nvme_path, cfg_path)
     flags = {
@@ -108,9 +110,16 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     precision = settings.precision or ds_config.precision(cfg)
     check_engine(settings, cfg, cfg_path, precision)
     check_model(settings, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
-    check_parallel(settings, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
+    check_parallel(settings, cfg, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
+    if settings.backend == "deepspeed":
+        check_memory(settings, cfg, cfg_path, model_cfg, world, flags)
     now = Topology(
-        settings.backend, world, ds_config.zero_stage(cfg), ds_config.pipeline_stages(cfg)
+        settings.backend,
+        world,
+        ds_config.zero_stage(cfg),
+        ds_config.pipeline_stages(cfg),
+        parallel.tensor_size(cfg),
+        parallel.sequence_size(cfg),
     )
     log = rank0_printer(rank)
     resume = plan_resume(settings.resume, Path(settings.out), now, settings.universal, log)
@@ -130,6 +139,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         ),
         Schedule(**schedule),
         ds_config.activation_checkpointing(cfg, flags),
+        overrides,
     )
 
 
@@ -295,7 +305,9 @@ def check_engine(settings: Settings, cfg: dict, cfg_path: str, precision: str) -
         raise ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
 
 
-def check_parallel(settings: Settings, layout: parallel.Layout, model_cfg, cfg_path: str) -> None:
+def check_parallel(
+    settings: Settings, cfg: dict, layout: parallel.Layout, model_cfg, cfg_path: str
+) -> None:
     """What tensor and sequence parallelism need of the model (settings/parallel.py)."""
     if layout.tensor == 1 and layout.sequence == 1:
         return
@@ -308,10 +320,31 @@ def check_parallel(settings: Settings, layout: parallel.Layout, model_cfg, cfg_p
         seq_len=settings.seq_len,
         source=cfg_path,
     )
+    own_plan = {"partition_config", "preset_model"} & set(cfg.get("tensor_parallel", {}))
+    if layout.tensor > 1 and not own_plan:  # the config's own plan wins over the model's
+        check_tp_plan(model_cfg, settings.model, cfg_path)
     if layout.sequence > 1 and settings.doc_mask:
         raise ConfigError(
             f"{cfg_path}: --doc-mask with sequence_parallel_size > 1: Ulysses attends over the "
             "whole gathered sequence with the causal flag only; drop --doc-mask"
+        )
+
+
+def check_tp_plan(model_cfg, model: str, cfg_path: str) -> None:
+    """A transformers model's tensor-parallel plan in styles DeepSpeed's AutoTP applies: it
+    refuses any other inside deepspeed.initialize, after every rank has started."""
+    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    plan = dict(getattr(model_cfg, "base_model_tp_plan", None) or {})
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_cfg), None)
+    plan.update(getattr(model_class, "_tp_plan", None) or {})
+    odd = sorted({style for style in plan.values() if style.lower() not in SUPPORTED_STYLES})
+    if odd:
+        raise ConfigError(
+            f"{cfg_path}: --model {model}: its tensor-parallel plan uses {', '.join(odd)}, which "
+            "DeepSpeed's AutoTP does not apply; give tensor_parallel.partition_config for this "
+            "model, or use data parallelism / ZeRO-3"
         )
 
 
@@ -362,10 +395,43 @@ def check_model(settings: Settings, model_cfg, manifest, stages: int, cfg_path: 
         )
 
 
-def model_config(spec: str, vocab_size: int):
+def check_memory(
+    settings: Settings, cfg: dict, cfg_path: str, model_cfg, world: int, flags
+) -> None:
+    """The memory plan (training/memory/plan.py) before any rank allocates the model: a run it
+    says cannot fit is refused, naming the shipped config that would (--force tries anyway).
+    The plan's advice is kept for a rank that runs out of memory later (training/guard.py)."""
+    from training.memory import oom, plan
+
+    zero = cfg.get("zero_optimization", {})
+    swap = next((zero[s]["nvme_path"] for s in nvme.nvme_sections(cfg)), None)
+    verdict = plan.check_run(
+        plan.shape_of_config(model_cfg, settings.model),
+        cfg,
+        world,
+        config_name=cfg_path,
+        seq_len=settings.seq_len,
+        activation_checkpointing=ds_config.activation_checkpointing(cfg, flags),
+        ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        nvme_dir=swap,
+    )
+    oom.remember(verdict.advice())
+    if not verdict.fits and not settings.force:
+        raise ConfigError(verdict.refusal())
+
+
+def model_overrides(spec: str, seq_len: int) -> dict:
+    """A preset has no trained positions: a --seq-len beyond its max_position_embeddings (long
+    context) widens the rotary range it is built with. A folder's positions are its own."""
+    if spec in PRESETS and seq_len > get_config(spec).max_position_embeddings:
+        return {"max_position_embeddings": seq_len}
+    return {}
+
+
+def model_config(spec: str, vocab_size: int, overrides: dict | None = None):
     """The model's config without building it (presets, folders and hub names), for early checks."""
     if "/" not in spec and not spec.startswith(".") and not Path(spec).is_dir():
-        return get_config(spec, vocab_size=vocab_size)
+        return get_config(spec, vocab_size=vocab_size, **(overrides or {}))
     path = resolve_pretrained(spec)  # a hub name: its snapshot in the HF cache, fetched if need be
     if not (path / "config.json").is_file():
         raise ModelError(f"--model {spec}: folder has no config.json, so it holds no model")

@@ -150,6 +150,7 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         vocab_size=prepared.manifest.vocab_size,
         backend=settings.backend,
         ds_config=started.ds_config,
+        overrides=prepared.model_overrides,
     )
     attention = pick_attention_kernel(settings.attention, dist.device.type, settings.seq_len)
     set_attention_kernel(model, attention)  # the pipeline engine sets its own layers' kernel
