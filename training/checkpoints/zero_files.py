@@ -44,6 +44,14 @@ class ZeroFiles:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
+        if (self.folder / "offloaded_tensors").is_dir():
+            # ZeRO-Infinity keeps the optimizer states out of *_optim_states.pt, as copies of
+            # its raw NVMe swap files (one per tensor, named by DeepSpeed's parameter ids).
+            raise CheckpointError(
+                f"{self.folder}: its optimizer states are in offloaded_tensors/ (ZeRO-Infinity's "
+                "raw NVMe swap files), which universal conversion and export do not read yet; "
+                "resume it with the config it was saved with (ds_configs/zero3_nvme.json)"
+            )
         names = [p.name for p in self.folder.iterdir()]
         optim = {}
         for n in names:
