@@ -410,7 +410,9 @@ def check_memory(
         cfg,
         world,
         config_name=cfg_path,
-        seq_len=settings.seq_len,
+        # Ulysses: each rank's activations cover its slice of the sequence. (Tensor
+        # parallelism is planned as data parallelism: an overestimate of its model states.)
+        seq_len=settings.seq_len // parallel.sequence_size(cfg),
         activation_checkpointing=ds_config.activation_checkpointing(cfg, flags),
         ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
         nvme_dir=swap,
