@@ -102,6 +102,21 @@ def kill_marked(marker: str) -> None:
             continue
 
 
+def refused(capsys, monkeypatch, tmp_path, argv, world=2) -> str:
+    """Rank 0 of a `world`-rank launch of the trainer, in this process: it must refuse `argv`
+    with one line and exit code 2, before creating the run folder (tmp_path / "run")."""
+    from training.train import main
+
+    env = {"RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert not (tmp_path / "run").exists()  # nothing was started
+    return err
+
+
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == kind]

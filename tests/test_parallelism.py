@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, TINY_RUN, launch, read_metrics
-
-from training.train import main
+from conftest import REPO, TINY_RUN, launch, read_metrics, refused
 
 STEPS = ["--steps", "10", "--save-every", "-1"]
 SHAPES = "tests/scripts/shapes_train.py"
@@ -164,21 +162,27 @@ def test_tp2_x_dp2_on_four_ranks_shards_data_between_tp_groups(tiny_data, tmp_pa
     assert read_metrics(out)[-1]["tokens"] == 2 * 2 * 2 * 64  # 2 replicas x micro 2 x 2 steps
 
 
+@pytest.mark.slow
+def test_tp2_continues_a_folder_from_its_exact_weights(tiny_data, tmp_path):
+    """bf16 from a folder: the fp32 master weights are set from the folder's, each rank taking
+    its slice of the split layers (a whole matrix copied into a slice would move the weights
+    and the losses from the second step on)."""
+    from models import build_model
+
+    folder = tmp_path / "init"
+    build_model("tiny", vocab_size=512).save_pretrained(folder)
+    common = ["--data", str(tiny_data), *TINY_RUN, "--model", str(folder), "--steps", "4"]
+    common += ["--save-every", "-1"]
+    launch([*common, "--out", str(tmp_path / "one"), "--ds_config", "ds_configs/zero1.json"], 1)
+    launch([*common, "--out", str(tmp_path / "tp2"), *TP2], 2)
+    got, want = losses(tmp_path / "tp2"), losses(tmp_path / "one")
+    assert all(close(a, b, 2e-3) for a, b in zip(got, want)), (got, want)
+
+
 # ------------------------------------------------------------------------------ guardrails
 @pytest.fixture
 def base(tiny_data, tmp_path):
     return ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "tiny"]
-
-
-def refused(capsys, monkeypatch, tmp_path, argv, world=2):
-    env = {"RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and err.startswith("error: ") and "\n" not in err, err
-    assert not (tmp_path / "run").exists()  # nothing was started
-    return err
 
 
 def test_world_not_divisible_by_the_layout_is_refused(capsys, monkeypatch, tmp_path, base):
@@ -216,23 +220,6 @@ def test_sp_with_native_backend_or_document_masks_is_refused(capsys, monkeypatch
     assert "sequence_parallel_size is DeepSpeed's" in err
     err = refused(capsys, monkeypatch, tmp_path, [*base, *SP2, "--doc-mask"])
     assert "--doc-mask with sequence_parallel_size > 1" in err
-
-
-@pytest.mark.slow
-def test_tp2_continues_a_folder_from_its_exact_weights(tiny_data, tmp_path):
-    """bf16 from a folder: the fp32 master weights are set from the folder's, each rank taking
-    its slice of the split layers (a whole matrix copied into a slice would move the weights
-    and the losses from the second step on)."""
-    from models import build_model
-
-    folder = tmp_path / "init"
-    build_model("tiny", vocab_size=512).save_pretrained(folder)
-    common = ["--data", str(tiny_data), *TINY_RUN, "--model", str(folder), "--steps", "4"]
-    common += ["--save-every", "-1"]
-    launch([*common, "--out", str(tmp_path / "one"), "--ds_config", "ds_configs/zero1.json"], 1)
-    launch([*common, "--out", str(tmp_path / "tp2"), *TP2], 2)
-    got, want = losses(tmp_path / "tp2"), losses(tmp_path / "one")
-    assert all(close(a, b, 2e-3) for a, b in zip(got, want)), (got, want)
 
 
 def test_a_model_whose_tp_plan_deepspeed_cannot_apply_is_refused(

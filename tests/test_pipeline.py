@@ -9,9 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY_RUN, launch, read_metrics
-
-from training.train import main
+from conftest import REPO, TINY_RUN, launch, read_metrics, refused
 
 COMMON = [
     *TINY_RUN,
@@ -200,17 +198,6 @@ def test_fp32_pipeline_exports_from_layer_files_and_imports_exactly(tiny_data, t
 @pytest.fixture
 def base(tiny_data, tmp_path):
     return ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "tiny"]
-
-
-def refused(capsys, monkeypatch, tmp_path, argv, world=2):
-    env = {"RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and err.startswith("error: ") and "\n" not in err, err
-    assert not (tmp_path / "run").exists()  # nothing was started
-    return err
 
 
 def test_zero2_with_pipelining_is_refused(capsys, monkeypatch, tmp_path, base):
