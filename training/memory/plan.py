@@ -460,6 +460,11 @@ def cheapest_fit(
     shape: ModelShape, world: int, cap: Capacity, micro_batch: int | None = None, **kw
 ) -> Plan | None:
     """The first of CANDIDATES (cheapest first) whose plan fits."""
+    return next(fitting_plans(shape, world, cap, micro_batch, **kw), None)
+
+
+def fitting_plans(shape: ModelShape, world: int, cap: Capacity, micro_batch: int | None, **kw):
+    """The plans of the shipped CANDIDATES that fit `cap`, cheapest first."""
     for name, ckpt in CANDIDATES:
         path = CONFIG_DIR / name
         if not path.is_file():
@@ -469,7 +474,7 @@ def cheapest_fit(
             shape, cfg, world, config_name=f"ds_configs/{name}", activation_checkpointing=ckpt, **kw
         )
         if fits(p, cap)[0]:
-            return p
+            yield p
     return None
 
 
@@ -553,16 +558,7 @@ def check_run(
     )
     ok, needs = fits(p, cap)
     cheapest = roomier = None
-    for name, ckpt in CANDIDATES:
-        path = CONFIG_DIR / name
-        if not path.is_file():
-            continue
-        cfg = resolve_config(path, shape, world, micro, cap.device_type)
-        c = plan(
-            shape, cfg, world, config_name=f"ds_configs/{name}", activation_checkpointing=ckpt, **kw
-        )
-        if not fits(c, cap)[0]:
-            continue
+    for c in fitting_plans(shape, world, cap, micro, **kw):
         cheapest = cheapest or c
         if roomier is None and in_memory(c) < 0.9 * in_memory(p):  # a real saving, not noise
             roomier = c
