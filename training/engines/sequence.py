@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from models import ZeroStackForCausalLM, set_sequence_parallel
-
-IGNORE_INDEX = -100
+from models.llama import IGNORE_INDEX
 
 
 class SequenceParallel:
