@@ -66,7 +66,8 @@ def test_stale_cached_peak_is_ignored(tiny_data, tmp_path):
     # DeepSpeed's built ops stay where they are (a fresh HOME would rebuild them: a minute).
     ops = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache/torch_extensions")
     env = {"HOME": str(home), "TORCH_EXTENSIONS_DIR": ops, "OMP_NUM_THREADS": "1"}
-    launch([*args, "--save-every", "-1"], env=env)
+    # The same run profiles steps 2-3 (--profile; one launch serves both checks).
+    launch([*args, "--save-every", "-1", "--profile", "2:3"], env=env)
 
     record = json.loads((out / "resolved_config.json").read_text())
     peak = record["peak_flops"]
@@ -84,6 +85,23 @@ def test_stale_cached_peak_is_ignored(tiny_data, tmp_path):
             row["tokens_per_s"] * record["flops_per_token"] / against
         )
         assert 0 < row["mfu"] <= 1
+    _check_profile(out / "profile")
+
+
+def _check_profile(folder: Path) -> None:
+    """--profile 2:3 on 2 ranks of ZeRO-2: every rank's time by kind of work, gathered to rank 0."""
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["steps"] == [2, 3] and len(summary["per_rank"]) == 2
+    for rank in summary["per_rank"]:
+        seconds = rank["seconds"]
+        assert seconds["matrix products"] > 0  # the model's linears
+        assert seconds.get("communication", 0) > 0  # ZeRO-2's gradient all-reduce
+        assert seconds.get("optimizer", 0) > 0  # AdamW
+        # Self times of one thread's ops, plus what no op covers: the wall time, no more.
+        assert sum(seconds.values()) == pytest.approx(rank["wall_s"], rel=0.05)
+    assert "aten::mm" in (folder / "ops_rank0.txt").read_text()
+    assert json.loads((folder / "trace_rank0.json").read_text())["traceEvents"]
+    assert "| matrix products |" in (folder / "summary.md").read_text()
 
 
 @pytest.mark.slow

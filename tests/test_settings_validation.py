@@ -175,6 +175,9 @@ FLAG_CASES = {
     "--grad-accum 0": (["--grad-accum", "0"], "--grad-accum must be at least 1"),
     "--peak-tflops 0": (["--peak-tflops", "0"], "--peak-tflops must be positive"),
     "--dist-timeout inf": (["--dist-timeout", "inf"], "--dist-timeout must be positive"),
+    "--profile 5:2": (["--profile", "5:2"], "--profile takes FIRST:LAST steps"),
+    "--profile 3": (["--profile", "3"], "--profile takes FIRST:LAST steps"),
+    "--profile past the end": (["--profile", "2:999999"], "the run has"),
 }
 
 

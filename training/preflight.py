@@ -24,6 +24,7 @@ from training.checkpoints.resume import ResumePlan, plan_resume
 from training.checkpoints.universal import Topology
 from training.engines.base import OptimizerConfig
 from training.errors import CheckpointError, ConfigError
+from training.loop.profile import parse_span
 from training.loop.schedule import Schedule
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
@@ -192,6 +193,13 @@ def check_flags(settings: Settings) -> None:
         finite = not isinstance(value, float) or math.isfinite(value)
         if not finite or value < low or (high is not None and value > high):
             raise ConfigError(f"--{name.replace('_', '-')} must be {need}, got {value}")
+    if settings.profile is not None:
+        try:
+            _, last = parse_span(settings.profile)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if last > settings.steps:
+            raise ConfigError(f"--profile {settings.profile}: the run has {settings.steps} steps")
     if settings.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             "--wandb: the wandb package is not installed; pip install wandb (or drop --wandb)"

@@ -41,6 +41,7 @@ from training.engines.construct import build_for_engine  # noqa: E402
 from training.errors import CheckpointError, ConfigError  # noqa: E402
 from training.guard import refused, run_guarded  # noqa: E402
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run  # noqa: E402
+from training.loop.profile import StepProfiler, parse_span  # noqa: E402
 from training.loop.restore import restore  # noqa: E402
 from training.preflight import Prepared, prepare_run  # noqa: E402
 from training.record import (  # noqa: E402
@@ -222,6 +223,11 @@ def train_loop(
         max_bad_steps=settings.max_bad_steps,
         flops_per_token=record["flops_per_token"],
         peak_flops=record["peak_flops_per_rank"] * dist.world,
+        profiler=StepProfiler(
+            parse_span(settings.profile), run_dir / "profile", dist.is_main, dist.device.type
+        )
+        if settings.profile
+        else None,
     )
     saver = Saver(
         engine,

@@ -15,6 +15,7 @@ from training.checkpoints import layout
 from training.engines.base import Engine, StepResult
 from training.loop.divergence import Guard
 from training.loop.evaluate import Evaluator
+from training.loop.profile import StepProfiler
 from training.loop.saver import Saver
 from training.loop.schedule import Schedule
 from training.loop.timer import StepTimer
@@ -45,6 +46,7 @@ class LoopConfig:
     max_bad_steps: int
     flops_per_token: float
     peak_flops: float  # all ranks together, for MFU
+    profiler: StepProfiler | None = None  # --profile
 
     @property
     def steps(self) -> int:
@@ -81,7 +83,10 @@ def run(
     losses = LossMeter(device)
     first_step = state.step
     engine.train()
+    profiler = config.profiler
     while state.step < config.steps:
+        if profiler:
+            profiler.before_step(state.step + 1)
         lr = config.schedule.at(state.step)
         engine.set_lr(lr)
         # Model states are counted once, in the run's second step (see log_state_bytes).
@@ -99,6 +104,8 @@ def run(
         if not bad:
             losses.add(step_loss, config.grad_accum)
         timer.tick()
+        if profiler:
+            profiler.after_step(state.step, logger)
         logger.advance(1)
         if state.step % config.log_every == 0 or state.step == config.steps:
             _log_train(state, config, lr, result, losses, timer, device, logger)

@@ -149,6 +149,11 @@ class Settings:
     stop_at: int | None = flag(
         None, "save and exit after this step (the schedule still spans --steps)"
     )
+    profile: str | None = flag(
+        None,
+        "FIRST:LAST: run the torch profiler over these steps (e.g. 5:8); RUN/profile/ gets where "
+        "the time went by kind of work, per rank, the op table and a Chrome trace",
+    )
     resume: str = flag(
         "auto", "auto | never | a run or checkpoint folder", aliases=["--resume_from_checkpoint"]
     )
