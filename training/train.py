@@ -41,6 +41,7 @@ from training.engines.construct import build_for_engine  # noqa: E402
 from training.errors import CheckpointError, ConfigError  # noqa: E402
 from training.guard import refused, run_guarded  # noqa: E402
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run  # noqa: E402
+from training.loop.loop import Ceiling  # noqa: E402
 from training.loop.profile import StepProfiler, parse_span  # noqa: E402
 from training.loop.restore import restore  # noqa: E402
 from training.preflight import Prepared, prepare_run  # noqa: E402
@@ -123,8 +124,22 @@ def train(settings: Settings, prepared: Prepared) -> int:
         logger.console(banner(record, batch) + resumed(resume))
     first = {"kind": "ceiling", "when": "start", "step": state.step, **ceiling.as_record()}
     logger.log({**first, "note": ceiling.describe(dtype)})
+
+    def reprobe() -> float:  # all ranks at once, as at the start
+        return run_ceiling(dist.device, dtype, shapes).per_rank * dist.world
+
     last_eval = train_loop(
-        settings, prepared, engine, loader, val_ds, state, dist, logger, run_dir, record
+        settings,
+        prepared,
+        engine,
+        loader,
+        val_ds,
+        state,
+        dist,
+        logger,
+        run_dir,
+        record,
+        reprobe if ceiling.measured else None,
     )
     # Probe again: a host that changed speed during the run makes its MFU an interval.
     drift = None if signals.current().honored else ceiling_drift(ceiling, dist.device, dtype)
@@ -209,8 +224,10 @@ def train_loop(
     logger,
     run_dir,
     record,
+    reprobe,
 ) -> dict:
-    """The loop, with its saver and evaluator; returns the last evaluation."""
+    """The loop, with its saver and evaluator; returns the last evaluation. `reprobe` measures
+    the matmul ceiling again (None when it was not measured)."""
     micro, accum = prepared.micro_batch, prepared.grad_accum
     config = LoopConfig(
         schedule=prepared.schedule,
@@ -222,7 +239,7 @@ def train_loop(
         stop_at=settings.stop_at,
         max_bad_steps=settings.max_bad_steps,
         flops_per_token=record["flops_per_token"],
-        peak_flops=record["peak_flops_per_rank"] * dist.world,
+        ceiling=Ceiling(record["peak_flops_per_rank"] * dist.world, reprobe, dist.world),
         profiler=StepProfiler(
             parse_span(settings.profile), run_dir / "profile", dist.is_main, dist.device.type
         )

@@ -7,6 +7,7 @@ skipped update), then logging, evaluation and saving as the settings ask."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +46,44 @@ class LoopConfig:
     stop_at: int | None
     max_bad_steps: int
     flops_per_token: float
-    peak_flops: float  # all ranks together, for MFU
+    ceiling: Ceiling  # what MFU divides by
     profiler: StepProfiler | None = None  # --profile
 
     @property
     def steps(self) -> int:
         return self.schedule.total
+
+
+@dataclass
+class Ceiling:
+    """What MFU divides by: the matmul peak of all ranks together. A step that beats it shows
+    the run measured its ceiling in a slow spell of a shared host; `reprobe` (measured
+    ceilings only) then measures again, all ranks at once, and the higher figure stands."""
+
+    peak_flops: float
+    reprobe: Callable[[], float] | None = None
+    ranks: int = 1  # for the note's per-rank figures
+
+    def mfu(self, flops_per_s: float, logger, step: int, timer) -> float:
+        """All ranks call with the same figure (it comes from all-reduced numbers)."""
+        if flops_per_s > self.peak_flops and self.reprobe is not None:
+            with timer.paused():
+                fresh = self.reprobe()
+            before, self.peak_flops = self.peak_flops, max(self.peak_flops, fresh)
+            logger.log(
+                {
+                    "kind": "ceiling",
+                    "when": "raised",
+                    "step": step,
+                    "per_rank_flops": fresh / self.ranks,
+                    "note": f"step {step} ran faster than the matmul ceiling "
+                    f"({before / self.ranks / 1e9:,.0f} GFLOP/s per rank), which was measured "
+                    f"in a slow spell of the host; measured again: "
+                    f"{fresh / self.ranks / 1e9:,.0f}; MFU from here on is against "
+                    f"{self.peak_flops / self.ranks / 1e9:,.0f}",
+                }
+            )
+        return flops_per_s / self.peak_flops
 
 
 @dataclass(frozen=True)
@@ -240,6 +273,7 @@ def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, log
     mean_loss, grad_norm = all_reduce_scalars([losses.take(), grad_norm], device)
     tps = steps * config.tokens_per_step / seconds
     (mem,) = all_reduce_scalars([peak_memory_bytes(device)], device, op="max")
+    mfu = config.ceiling.mfu(tps * config.flops_per_token, logger, state.step, timer)
     logger.log(
         {
             "kind": "train",
@@ -248,8 +282,8 @@ def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, log
             "lr": lr,
             "grad_norm": None if math.isnan(grad_norm) else grad_norm,
             "tokens_per_s": tps,
-            "mfu": tps * config.flops_per_token / config.peak_flops,
-            "mfu_peak_flops": config.peak_flops,  # against: the run's ceiling, all ranks
+            "mfu": mfu,
+            "mfu_peak_flops": config.ceiling.peak_flops,  # against: the run's ceiling, all ranks
             "peak_mem_gb": mem / 2**30,  # the highest rank's
             "skipped": state.skipped,
             "nonfinite": state.nonfinite,
