@@ -3,6 +3,7 @@
 Nothing here imports DeepSpeed or training/: engines apply parallelism to the model from outside.
 """
 
+from models.compile import compile_blocks
 from models.config import ZeroStackConfig
 from models.errors import ModelError
 from models.factory import Partitioned, build_model
@@ -37,6 +38,7 @@ __all__ = [
     "ZeroStackForCausalLM",
     "build_model",
     "causal_lm_loss",
+    "compile_blocks",
     "flops_per_token",
     "from_llama_config",
     "from_llama_state_dict",

@@ -47,6 +47,7 @@ def run_record(
         "model_config": facts["model_config"].to_dict(),
         "n_params": facts["n_params"],
         "flops_per_token": facts["flops_per_token"],
+        "compiled": facts.get("compiled"),  # --compile: what torch.compile compiled
         "data": {
             "dir": str(Path(parse_spec(flags["data"])[0].folder).resolve()),  # its tokenizer
             "spec": flags["data"],

@@ -29,6 +29,7 @@ from data import BatchLoader, DataError, TokenDataset, open_split  # noqa: E402
 from models import (  # noqa: E402
     PRESETS,
     ModelError,
+    compile_blocks,
     flops_per_token,
     pick_attention_kernel,
     set_attention_kernel,
@@ -174,13 +175,16 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         set_document_mask(model, prepared.manifest.eos_id)
     if prepared.activation_checkpointing:  # the flag, or the config's section
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if settings.compile:
-        model.compile()  # in place: parameter names and checkpoints are unchanged
+    compiled = None
+    if settings.compile:  # in place: parameter names and checkpoints are unchanged
+        n, what = compile_blocks(model)
+        compiled = f"{n} x {what}" if n > 1 else what
     n_params = sum(getattr(w, "ds_numel", w.numel()) for w in model.parameters())
     facts = {
         "n_params": n_params,
         "flops_per_token": flops_per_token(model.config, settings.seq_len, n_params=n_params),
         "model_config": model.config,
+        "compiled": compiled,  # "6 x Block": what torch.compile compiles (--compile)
     }
     engine = build_engine(
         settings.backend,
@@ -240,6 +244,7 @@ def train_loop(
         max_bad_steps=settings.max_bad_steps,
         flops_per_token=record["flops_per_token"],
         ceiling=Ceiling(record["peak_flops_per_rank"] * dist.world, reprobe, dist.world),
+        compiled=record["compiled"],
         profiler=StepProfiler(
             parse_span(settings.profile), run_dir / "profile", dist.is_main, dist.device.type
         )

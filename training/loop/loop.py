@@ -7,6 +7,7 @@ skipped update), then logging, evaluation and saving as the settings ask."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class LoopConfig:
     max_bad_steps: int
     flops_per_token: float
     ceiling: Ceiling  # what MFU divides by
+    compiled: str | None = None  # what --compile compiled: the first step's time is said
     profiler: StepProfiler | None = None  # --profile
 
     @property
@@ -126,9 +128,15 @@ def run(
         count_states = None
         if state.step == max(first_step, 1):
             count_states = lambda: log_state_bytes(engine, logger, state.step + 1)  # noqa: E731
+        started = time.perf_counter()
         step_loss = _micro_batches(engine, loader, config.grad_accum, device, count_states, timer)
         result = engine.step()
         state.step += 1
+        if config.compiled and state.step == first_step + 1:  # torch.compile runs in step 1
+            logger.console(
+                f"torch.compile ({config.compiled}): the first step took "
+                f"{time.perf_counter() - started:.1f} s, compiling included"
+            )
         state.tokens += config.tokens_per_step
         liveness.note_step(state.step)
         agreed = _agree(stop, step_loss, result, device)
