@@ -123,7 +123,7 @@ def _guarded(train, rank: int, world: int, run_dir) -> int:
             _exit_now(SAVE_FAILED)
         why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         if oom.is_oom(e):  # said as out of memory, with what this rank held and the plan's advice
-            why = "out of memory: " + oom.describe(oom.what_failed(e), *oom.rss_bytes())
+            why = "out of memory: " + oom.describe(oom.what_failed(e), *liveness.rss_bytes())
             say(f"error: rank {rank}: {why}", everyone=True)
         if live:
             live.last_words(CRASHED, why)

@@ -7,9 +7,7 @@ plentiful: a rank that has just run out of it only formats a line."""
 
 from __future__ import annotations
 
-import os
 import re
-import resource
 import subprocess
 from pathlib import Path
 
@@ -51,17 +49,6 @@ def what_failed(error: BaseException) -> str:
         return f"an allocation of {fmt(int(size.group(1)))} failed"
     first = (text.splitlines() or [""])[0][:160]
     return f"an allocation failed ({type(error).__name__}{': ' + first if first else ''})"
-
-
-def rss_bytes() -> tuple[int, int]:
-    """(resident set size now, peak resident set size) of this process, in bytes."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        now = pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        now = peak
-    return now, max(now, peak)
 
 
 def fmt(b: float) -> str:

@@ -170,15 +170,22 @@ class Liveness:
             return {0: f"is gone ({where}, and rank 0 hosted it)"}, LOST_RANK
 
 
-def _memory_note() -> str:
-    """'pid|host|rss|peak rss' of this process (bytes; Linux /proc, else the peak for both)."""
+def rss_bytes() -> tuple[int, int]:
+    """(resident set size now, peak resident set size) of this process, in bytes (Linux /proc;
+    elsewhere the peak for both)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     try:
         with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        rss = peak
-    return f"{os.getpid()}|{socket.gethostname()}|{rss}|{max(rss, peak)}"
+        now = peak
+    return now, max(now, peak)
+
+
+def _memory_note() -> str:
+    """'pid|host|rss|peak rss' of this process, in bytes."""
+    rss, peak = rss_bytes()
+    return f"{os.getpid()}|{socket.gethostname()}|{rss}|{peak}"
 
 
 def describe(gone: dict[int, str]) -> str:
