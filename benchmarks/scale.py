@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 RESULTS = REPO / "benchmarks" / "results" / "scale.json"
 DOC = REPO / "docs" / "scale.md"
+PLOT = REPO / "docs" / "scale_memory.png"
 GiB = 2**30
 DEFAULT_ROWS = [
     "125M:zero2:1024",
@@ -426,9 +427,70 @@ def _order(key: str):
         return (float("inf"), key)
 
 
+def plot_memory(results: dict, path: Path) -> None:
+    """Memory per rank against model size, one colour per config: measured peak resident set
+    (filled) beside the plan (hollow), and the rows the plan refuses (x, planned only), under
+    the line of what a rank of this machine has."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict]] = {}
+    for r in results.values():
+        row = parse_row(r["row"])
+        name = f"{row['config']}{' + ckpt' if row['ckpt'] else ''}, seq {row['seq']}"
+        series.setdefault(name, []).append(r)
+    fig, ax = plt.subplots(figsize=(11, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (name, rows), colour in zip(sorted(series.items()), colours * 4):
+        rows = sorted(rows, key=lambda r: r["plan"]["params"])
+        x = [r["plan"]["params"] / 1e9 for r in rows]
+        planned_gib = [r["plan"]["per_rank_memory"] / GiB for r in rows]
+        ax.plot(x, planned_gib, "--", color=colour, marker="o", mfc="none", label=f"{name}: plan")
+        ran = [r for r in rows if r.get("train")]
+        if ran:
+            ax.plot(
+                [r["plan"]["params"] / 1e9 for r in ran],
+                [max(r["train"]["peak_rss"]) / GiB for r in ran],
+                "-",
+                color=colour,
+                marker="o",
+                label=f"{name}: measured",
+            )
+        refused = [r for r in rows if not r["plan"]["fits"]]
+        ax.plot(
+            [r["plan"]["params"] / 1e9 for r in refused],
+            [r["plan"]["per_rank_memory"] / GiB for r in refused],
+            "x",
+            color=colour,
+            ms=10,
+        )
+    ranks = next(iter(results.values()))["ranks"]
+    have = psutil.virtual_memory().total / GiB / ranks
+    ax.axhline(have, color="black", lw=0.8)
+    ax.text(
+        0.02,
+        have * 1.03,
+        f"this machine's memory / {ranks} ranks",
+        transform=ax.get_yaxis_transform(),
+    )
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters (billions)")
+    ax.set_ylabel("GiB per rank (host memory)")
+    ax.set_title(
+        "Memory per rank: measured peak (filled) and planned (hollow); x = refused by the plan"
+    )
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_doc(results: dict) -> None:
     text = DOC.read_text() if DOC.is_file() else ""
-    table = render(results)
+    plot_memory(results, PLOT)
+    table = render(results) + f"\n\n![memory per rank against model size]({PLOT.name})"
     start, end = "<!-- scale table: benchmarks/scale.py -->", "<!-- end of scale table -->"
     block = f"{start}\n{table}\n{end}"
     if start in text and end in text:
