@@ -36,10 +36,14 @@ FLOORS = [  # (run, against, at least x)
     ("zero3", "zero2", 0.95),
     ("fsdp", "ddp", 0.95),
     ("fsdp_hold", "fsdp", 1.0),
+    # issue 17's goals for ZeRO-2 against the loops people run today (the peer workload)
+    ("zero2", "reference", 1.3),
+    ("zero2", "hf_trainer", 1.5),
 ]
 # `--peer`: the workload of the peer comparison (issue 17): a 16.9M Llama (`small` with 6
 # layers), sequence 256, micro-batch 8 per rank, no accumulation, 2 ranks x 1 thread, bf16;
-# the four engines and the plain one-process loop, alternated round by round.
+# the four engines, the plain one-process loop, the nanoGPT-style loop and the HF Trainer with
+# DeepSpeed, alternated round by round.
 PEER = {
     "model": "small",
     "layers": 6,
@@ -48,7 +52,8 @@ PEER = {
     "steps": 10,
     "repeats": 2,
     "engines": "zero2,ddp,fsdp,zero3",
-    "no_reference": True,
+    "no_reference": False,
+    "hf_trainer": True,
     "plain": True,
     "section": "docs/benchmarks.md",
     "out": "runs/compare_peer",
@@ -193,13 +198,15 @@ def layout_text(parallel: dict) -> str:
 # ------------------------------------------------------------------------------ reference
 def run_reference(a, repeat: int = 0, name: str = "reference") -> dict:
     """The nanoGPT-style DDP loop on a.ranks ranks, or (`plain`) the same loop in one process
-    with every core, the whole global batch in each micro-step."""
+    with every core, the whole global batch in each micro-step, or (`hf_trainer`) the Hugging
+    Face Trainer with DeepSpeed (peer_hf.py)."""
     out = Path(a.runs) / (f"{name}.json" if repeat == 0 else f"{name}.{repeat}.json")
     args = [*job_flags(a), "--out", str(out)]
     nproc = 1 if name == "plain" else a.ranks
     if name == "plain":
         args += ["--micro-batch", str(a.micro_batch * a.ranks)]  # the last flag wins
-    p = _torchrun(a, str(Path(__file__).resolve()), ["--reference", *args], nproc=nproc)
+    entry = "--hf-trainer-rank" if name == "hf_trainer" else "--reference"
+    p = _torchrun(a, str(Path(__file__).resolve()), [entry, *args], nproc=nproc)
     if p.returncode != 0:
         print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
         return {"name": name, "error": f"exit {p.returncode}"}
@@ -320,7 +327,11 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
     """comparison.md and the two PNGs into out_dir; returns the markdown's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     by = {r["name"]: r for r in rows}
-    done = [r for r in rows if "error" not in r and r["name"] not in ("reference", "plain")]
+    done = [
+        r
+        for r in rows
+        if "error" not in r and r["name"] not in ("reference", "plain", "hf_trainer")
+    ]
     first = done[0] if done else {}
     ddp = by.get("ddp", {}).get("tokens_per_s")
     cmd = " ".join(["python -m benchmarks.compare", *getattr(a, "argv", [])])
@@ -448,6 +459,7 @@ def _label(name: str) -> str:
         "fsdp": "FSDP2",
         "reference": "nanoGPT-style DDP (reference)",
         "plain": "plain loop (1 process, all cores)",
+        "hf_trainer": "HF Trainer + DeepSpeed `zero2` (peer)",
         "fsdp_hold": "FSDP2, weights held across micro-steps",
     }.get(name, f"DeepSpeed `{name}`")
 
@@ -569,6 +581,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--reference"]:  # one rank of the reference loop, under torchrun
         reference(argv[1:])
         return 0
+    if argv[:1] == ["--hf-trainer-rank"]:  # one rank of the HF Trainer peer, under torchrun
+        from benchmarks import peer_hf
+
+        peer_hf.run(argv[1:], WARMUP_STEPS)
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default="data_cache/pystdlib", help="prepared data (made if absent)")
     p.add_argument("--model", default="small")
@@ -594,13 +611,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="runs/compare", help="where the runs' folders go")
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     p.add_argument("--plain", action="store_true", help="add the loop in one process, all cores")
+    p.add_argument(
+        "--hf-trainer",
+        action="store_true",
+        help="add the Hugging Face Trainer with DeepSpeed ZeRO-2 on the same job "
+        "(benchmarks/peer_hf.py)",
+    )
     p.add_argument("--section", default="", help="also write the speed table into this markdown")
     p.add_argument(
         "--peer",
         action="store_true",
-        help="the peer workload: ZeRO-2/DDP/FSDP2/ZeRO-3 and the plain loop, `small` with 6 "
-        "layers, micro-batch 8, no accumulation, 2 rounds, the table into docs/benchmarks.md "
-        "(explicit flags still win)",
+        help="the peer workload: ZeRO-2/DDP/FSDP2/ZeRO-3, the plain loop, the nanoGPT-style "
+        "loop and the HF Trainer with DeepSpeed, `small` with 6 layers, micro-batch 8, no "
+        "accumulation, 2 rounds, the table into docs/benchmarks.md (explicit flags still win)",
     )
     if "--peer" in argv:
         p.set_defaults(**PEER)
@@ -626,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     a.init = initial_weights(a)
 
     names = ([] if a.no_reference else ["reference"]) + (["plain"] if a.plain else [])
+    names += ["hf_trainer"] if a.hf_trainer else []
     names += a.engines.split(",")
     results: dict[str, list[dict]] = {name: [] for name in names}
     # The floors' runs go first and back to back: the host's speed drifts over minutes, and a
@@ -638,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             if results[name] and "error" in results[name][0]:
                 continue  # refused or failed: once is enough
             print(f"running {name} ({repeat + 1}/{a.repeats}) ...", flush=True)
-            if name in ("reference", "plain"):
+            if name in ("reference", "plain", "hf_trainer"):
                 results[name].append(run_reference(a, repeat, name))
             else:
                 results[name].append(run_engine(name, a, repeat))

@@ -1,0 +1,96 @@
+"""The Hugging Face Trainer with DeepSpeed, as people run it, on the compare job's work: one rank
+of it under torchrun (`python -m benchmarks.compare --engines ... --hf-trainer` starts it).
+
+Same model folder, data, micro-batch, accumulation, steps, learning rate, precision and thread
+count as the zerostack rows; DeepSpeed from `ds_configs/zero2.json` (the Trainer fills its
+"auto"s, except the all-gather bucket, left to DeepSpeed's default), `use_cpu=True` (the Trainer refuses bf16 on a CPU without it), fused AdamW. Our
+model's attention kernel is the one the trainer picks, so the ratio measures the loops, not
+the kernels. Writes one JSON row (tokens/s, MFU against a ceiling measured as the trainer
+measures its own, peak resident set) to --out from rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(argv: list[str], warmup_steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from data import TokenDataset
+    from models import flops_per_token, pick_attention_kernel, set_attention_kernel
+    from training.runtime.flops import model_shapes, run_ceiling
+    from training.settings.flags import Settings
+
+    s = Settings.parse(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer does
+    windows = TokenDataset(s.data, "train", s.seq_len)
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(windows)
+
+        def __getitem__(self, i):
+            w = torch.from_numpy(windows[i])
+            return {"input_ids": w[:-1], "labels": w[:-1]}  # the model shifts the labels
+
+    times: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    ds = {k: v for k, v in ds.items() if not k.startswith("_")}
+    # The Trainer fills the batch, clipping and reduce-bucket "auto"s; the all-gather bucket it
+    # does not know, so DeepSpeed's default stands, as in the Trainer's documented ZeRO-2 file.
+    ds["zero_optimization"].pop("allgather_bucket_size", None)
+    args = TrainingArguments(
+        output_dir=str(Path(s.out).with_suffix(".trainer")),
+        per_device_train_batch_size=s.micro_batch,
+        gradient_accumulation_steps=s.grad_accum,
+        max_steps=s.steps,
+        learning_rate=s.lr,
+        warmup_steps=s.warmup or 0,
+        max_grad_norm=1.0,
+        bf16=True,
+        use_cpu=True,
+        deepspeed=ds,
+        optim="adamw_torch_fused",
+        seed=s.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.bfloat16)
+    set_attention_kernel(model, pick_attention_kernel(s.attention, "cpu", s.seq_len))
+    trainer = Trainer(model=model, args=args, train_dataset=Windows(), callbacks=[StepTimes()])
+    # The ceiling as the trainer measures its own (after the process group exists).
+    shapes = model_shapes(model.config, s.micro_batch * s.seq_len)
+    ceiling = run_ceiling(torch.device("cpu"), torch.bfloat16, shapes).per_rank
+    trainer.train()
+    tokens = s.micro_batch * s.grad_accum * world * s.seq_len
+    tps = statistics.median(tokens / t for t in times[warmup_steps:] or times)
+    n = sum(p.numel() for p in model.parameters())
+    fpt = flops_per_token(model.config, s.seq_len, n_params=n)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    if dist.is_initialized():
+        dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    if int(os.environ.get("RANK", "0")) == 0:
+        row = {"tokens_per_s": tps, "mfu": tps * fpt / (ceiling * world)}
+        row.update(peak_mem_gb=rss.item() / 2**30, ceiling=ceiling)
+        Path(s.out).write_text(json.dumps(row))
