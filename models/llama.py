@@ -347,11 +347,20 @@ def causal_lm_loss(
         denominator = num_items_in_batch.to(logits.device)
     else:
         denominator = num_items_in_batch
-    if not (torch.is_grad_enabled() and logits.requires_grad):  # eval: no gradient to make
-        loss = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
-        return loss / denominator
     # Rows per chunk: about 16 MB of fp32, small enough to stay in a CPU's last-level cache.
     chunk_rows = max(1, (1 << 22) // logits.shape[-1])
+    if not (torch.is_grad_enabled() and logits.requires_grad):  # eval: no gradient to make
+        # Chunk by chunk too: no full-size fp32 copy of the logits at long sequences.
+        loss = sum(
+            F.cross_entropy(
+                logits[i : i + chunk_rows].float(),
+                targets[i : i + chunk_rows],
+                ignore_index=ignore_index,
+                reduction="sum",
+            )
+            for i in range(0, logits.shape[0], chunk_rows)
+        )
+        return loss / denominator
     return _CrossEntropyGradInForward.apply(logits, targets, ignore_index, denominator, chunk_rows)
 
 
