@@ -267,17 +267,3 @@ def test_pipeline_universal_copy_uses_the_model_names(pipeline_runs, tmp_path):
     saved = ckpt.load_trainer_state(ref / "checkpoints", "step_00000003")
     assert plan(saved, Topology("deepspeed", 1, 1), "auto") is True
     assert plan(saved, Topology("deepspeed", 2, 1, 2), "auto") is False
-
-
-def test_nvme_checkpoint_is_refused_by_conversion_naming_its_offloaded_states(tmp_path):
-    """ZeRO-Infinity's checkpoints keep the optimizer states as raw swap files under
-    offloaded_tensors/: conversion and export say so in one line instead of calling the
-    checkpoint corrupt."""
-    from training.checkpoints.zero_files import ZeroFiles
-    from training.errors import CheckpointError
-
-    folder = tmp_path / "step_00000001"
-    (folder / "offloaded_tensors" / "rank0").mkdir(parents=True)
-    (folder / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="offloaded_tensors/.*zero3_nvme.json"):
-        ZeroFiles(folder)

@@ -121,6 +121,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         ds_config.pipeline_stages(cfg),
         parallel.tensor_size(cfg),
         parallel.sequence_size(cfg),
+        optimizer_on_nvme="offload_optimizer" in nvme.nvme_sections(cfg),
     )
     log = rank0_printer(rank)
     resume = plan_resume(settings.resume, Path(settings.out), now, settings.universal, log)

@@ -56,6 +56,7 @@ from training.record import (  # noqa: E402
 )
 from training.runtime import distributed, signals  # noqa: E402
 from training.runtime.flops import ceiling_drift, model_shapes, run_ceiling  # noqa: E402
+from training.settings import nvme  # noqa: E402
 from training.settings.flags import Settings, parser  # noqa: E402
 from training.startup import Started, give_back_untouched, start  # noqa: E402
 
@@ -153,6 +154,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
     # after destroy_process_group, gloo's destructor has been seen to deadlock at exit.
     del engine, loader
     gc.collect()
+    nvme.remove_swap(started.ds_config, run_dir, dist.rank)  # the engine's swap files are dead
     distributed.teardown()
     return 0
 

@@ -116,12 +116,38 @@ def _plan_load(root: Path, tag: str, now: Topology, mode: str, why: str) -> Resu
     except Exception as e:  # damaged beyond unpickling
         raise CheckpointError(f"{root / tag}: unreadable trainer state ({e})") from None
     use = universal.plan(saved, now, mode)
+    if (root / tag / "offloaded_tensors").is_dir():
+        use = _nvme_checkpoint(root / tag, now, mode)
     if use and not os.access(root, os.W_OK) and not universal.is_ready(root, tag):
         raise CheckpointError(
             f"{root / tag}: resuming on {now} needs a universal copy beside it, and {root} is "
             "not writable; copy the checkpoint somewhere writable and --resume from there"
         )
     return ResumePlan(root, tag, use, Topology.of_checkpoint(saved), why)
+
+
+def _nvme_checkpoint(folder: Path, now: Topology, mode: str) -> bool:
+    """A checkpoint saved with ZeRO-Infinity's optimizer states on NVMe (offloaded_tensors/)
+    resumes through its universal copy, made from the swap files. DeepSpeed 0.19.8's own load
+    of such a checkpoint restores only the swap files (it skips the ZeRO optimizer files when
+    the optimizer swaps to NVMe): the Adam step count, the sub-groups too small to swap and the
+    16-bit weights would start over, a resume that looks right and is not. So a run whose
+    optimizer swaps to NVMe is refused one, and every other run loads the universal copy."""
+    if now.optimizer_on_nvme:
+        raise CheckpointError(
+            f"{folder} keeps its optimizer states on NVMe (offloaded_tensors/), and DeepSpeed "
+            "cannot resume such a checkpoint under a config that swaps the optimizer to NVMe "
+            "(its load restores the swap files only: the Adam step count, the small sub-groups "
+            "and the 16-bit weights would start over); resume it under a config that keeps the "
+            "optimizer in memory (ds_configs/zero3_offload.json, zero3.json), which loads its "
+            "universal copy, or export it (python -m training.export)"
+        )
+    if mode == "never":
+        raise CheckpointError(
+            f"{folder} keeps its optimizer states on NVMe (offloaded_tensors/), which only "
+            "its universal copy hands to another config, and --universal never forbids it"
+        )
+    return True
 
 
 def _unreadable(root: Path, tag: str) -> str | None:

@@ -37,7 +37,7 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -62,6 +62,10 @@ class Topology:
     pipeline_stages: int = 1
     tensor_parallel: int = 1  # AutoTP: each rank's files hold its slice of the split weights
     sequence_parallel: int = 1  # Ulysses: whole weights, but other groups and replicas
+    # The run swaps its optimizer states to NVMe (ZeRO-Infinity). Not part of a checkpoint's
+    # layout (resume.py reads that from the checkpoint's offloaded_tensors/): what the resuming
+    # run can load.
+    optimizer_on_nvme: bool = field(default=False, compare=False)
 
     @classmethod
     def of_checkpoint(cls, state: dict) -> Topology:

@@ -11,6 +11,15 @@ and the pages under each piece go back to the kernel once it is copied out, so m
 near one parameter (one tensor-parallel parameter: its slices and their join) whatever the
 model's size. The universal converter (universal.py) and export (weights.py)
 read checkpoints through it.
+
+ZeRO-Infinity (ZeRO-3 with offload_optimizer on nvme) saves, for every ZeRO-3 sub-group whose
+partition is big enough for DeepSpeed to swap (1 MiB and up), an empty tensor in the optimizer
+file and the states as copies of its raw swap files instead:
+offloaded_tensors/rankRR/{ID}.tensor.swp (fp32 master partition), exp_avg-{ID}.tensor.swp and
+exp_avg_sq-{ID}.tensor.swp, headerless arrays of the partition's elements (the files' tails are
+padding to DeepSpeed's I/O alignment). ID is "FIRST_LAST", the DeepSpeed ids of the sub-group's
+first and last parameters, which number the model's parameters in state_dict order. Smaller
+sub-groups stay in the optimizer file as usual. Those swap files are mapped here like the rest.
 """
 
 from __future__ import annotations
@@ -44,14 +53,6 @@ class ZeroFiles:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        if (self.folder / "offloaded_tensors").is_dir():
-            # ZeRO-Infinity keeps the optimizer states out of *_optim_states.pt, as copies of
-            # its raw NVMe swap files (one per tensor, named by DeepSpeed's parameter ids).
-            raise CheckpointError(
-                f"{self.folder}: its optimizer states are in offloaded_tensors/ (ZeRO-Infinity's "
-                "raw NVMe swap files), which universal conversion and export do not read yet; "
-                "resume it with the config it was saved with (ds_configs/zero3_nvme.json)"
-            )
         names = [p.name for p in self.folder.iterdir()]
         optim = {}
         for n in names:
@@ -166,10 +167,15 @@ class ZeroFiles:
         return pieces
 
     def _params_stage3(self, keys):
-        shapes = load_mapped(self.model_files_by_mp[0])["param_shapes"]
+        top = load_mapped(self.model_files_by_mp[0])
+        shapes = top["param_shapes"]
         sds = [load_mapped(f)["optimizer_state_dict"] for f in self.optim_files[0]]
         world = len(sds)
+        swapped = (
+            _SwapFiles(self.folder, top) if (self.folder / "offloaded_tensors").is_dir() else None
+        )
         for g, group in enumerate(shapes):
+            local = sum(math.ceil(math.prod(s) / world) for s in group.values())
             flats = {
                 k: [
                     sd["fp32_flat_groups"][g]
@@ -179,6 +185,11 @@ class ZeroFiles:
                 ]
                 for k in keys
             }
+            if swapped is not None:
+                for k, per_rank in flats.items():
+                    for r, t in enumerate(per_rank):
+                        if t.numel() == 0 and local > 0:  # DeepSpeed swapped this sub-group
+                            per_rank[r] = swapped.read(r, k, list(group), local, t.dtype)
             step = sds[0]["optimizer_state_dict"]["state"][g].get("step")
             offset = 0
             for name, shape in group.items():
@@ -312,6 +323,44 @@ class _TensorLayout:
                 f"do not make the shape {list(recorded)} AutoTP recorded"
             )
         return dim
+
+
+class _SwapFiles:
+    """A ZeRO-Infinity checkpoint's offloaded_tensors/: the swap files of its swapped
+    sub-groups, mapped read-only."""
+
+    def __init__(self, folder: Path, model_states: dict):
+        self.root = folder / "offloaded_tensors"
+        # DeepSpeed numbers parameters as ZeRO-3 partitions them at construction, which is the
+        # model's state_dict order, less buffers and the second name of a tied weight.
+        skip = set(model_states.get("buffer_names") or ()) | set(
+            model_states.get("shared_params") or {}
+        )
+        names = [n for n in model_states["module"] if n not in skip]
+        self.ids = {n: i for i, n in enumerate(names)}
+
+    def read(self, rank: int, key: str, names: list[str], numel: int, dtype) -> torch.Tensor:
+        """One rank's partition of one sub-group (its parameters: names) for state key."""
+        if unknown := [n for n in (names[0], names[-1]) if n not in self.ids]:
+            raise CheckpointError(
+                f"{self.root}: {unknown[0]} is not among the model's parameters; the checkpoint "
+                "is corrupt"
+            )
+        sub_group = f"{self.ids[names[0]]}_{self.ids[names[-1]]}"
+        prefix = "" if key == "fp32" else f"{key}-"
+        path = self.root / f"rank{rank:02d}" / f"{prefix}{sub_group}.tensor.swp"
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        size = path.stat().st_size if path.is_file() else None
+        if size is None or size < numel * itemsize:
+            what = "is missing" if size is None else f"holds {size} bytes"
+            raise CheckpointError(
+                f"{path} {what}, and ZeRO-Infinity's {key} partition of parameters "
+                f"{names[0]}..{names[-1]} needs {numel * itemsize}; the checkpoint is incomplete"
+            )
+        out = torch.from_file(str(path), shared=False, size=numel, dtype=dtype)  # private map
+        _MAPPED[os.path.realpath(path)] = None
+        _FILE_MAPS.clear()
+        return out
 
 
 def _flat(sd: dict, group: int, key: str) -> torch.Tensor:

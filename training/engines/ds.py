@@ -207,3 +207,14 @@ class DeepSpeedEngine(Engine):
             # torch's AdamW then advances once per sub-group: give each its own.
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].clone()
+            elif isinstance(st.get("step"), int | float) and not _counts_in_python(base):
+                # A checkpoint of DeepSpeed's CPU Adam (offload, NVMe) counts in a plain number;
+                # torch's AdamW stops on one ("state_steps ... singleton tensors").
+                st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+
+
+def _counts_in_python(optimizer) -> bool:
+    """Whether the optimizer keeps its step count as a Python number (DeepSpeed's CPU Adam)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return isinstance(optimizer, DeepSpeedCPUAdam)

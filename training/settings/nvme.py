@@ -11,6 +11,7 @@ libaio-dev). The op compiles on first use (about 6 minutes on 2 cores) into
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 from training.errors import ConfigError
@@ -60,6 +61,33 @@ def check_aio(source: str) -> None:
             f"{source}: NVMe offload needs DeepSpeed's async_io op, which needs libaio's headers "
             "and library here (Debian/Ubuntu: apt-get install libaio-dev)"
         )
+
+
+def remove_swap(cfg: dict, run_dir: Path, rank: int) -> None:
+    """At a clean exit, once this rank's engine is gone: remove the swap folders DeepSpeed made
+    for this rank (PATH/zero_stage_3/{optimizer,<dtype>params}/rankR; it leaves the optimizer's
+    swap files, the size of the fp32 master weights and both Adam moments, behind), then each
+    parent it made once it is empty (the last rank out removes them), and the default folder
+    RUN/nvme_swap too. Nothing else in a --nvme-path folder is touched."""
+    zero = cfg.get("zero_optimization", {})
+    for path in {Path(zero[s]["nvme_path"]) for s in nvme_sections(cfg)}:
+        stage3 = path / "zero_stage_3"
+        if not stage3.is_dir():
+            continue
+        for kind in stage3.iterdir():
+            if kind.name == "optimizer" or kind.name.endswith("params"):
+                shutil.rmtree(kind / f"rank{rank}", ignore_errors=True)
+                _remove_if_empty(kind)
+        _remove_if_empty(stage3)
+        if path.resolve() == (Path(run_dir) / "nvme_swap").resolve():
+            _remove_if_empty(path)
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # not empty (another rank is not done yet, or a user's files) or gone
+        pass
 
 
 def largest_param_numel(model_cfg) -> int:
