@@ -65,14 +65,16 @@ def test_a_step_faster_than_the_ceiling_measures_it_again():
 
     probes = iter([400e9, 100e9])
     ceiling, log = Ceiling(100e9, lambda: next(probes), ranks=2), _Log()
-    assert ceiling.mfu(200e9, log, 5, StepTimer()) == 0.5  # measured again: 400e9
+    ceiling.check(200e9, log, 5, StepTimer())  # measured again: 400e9
     assert ceiling.peak_flops == 400e9 and log.records[0]["when"] == "raised"
     assert log.records[0]["per_rank_flops"] == 200e9
     assert "against 200" in log.records[0]["note"]
-    assert ceiling.mfu(300e9, log, 6, StepTimer()) == 0.75 and len(log.records) == 1
+    ceiling.check(300e9, log, 6, StepTimer())  # below the ceiling now: no probe
+    assert ceiling.peak_flops == 400e9 and len(log.records) == 1
     # A ceiling given by --peak-tflops or a vendor table is never re-measured.
     fixed = Ceiling(1e9)
-    assert fixed.mfu(2e9, log, 7, StepTimer()) == 2.0 and len(log.records) == 1
+    fixed.check(2e9, log, 7, StepTimer())
+    assert fixed.peak_flops == 1e9 and len(log.records) == 1
 
 
 @pytest.mark.slow

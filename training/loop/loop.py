@@ -66,8 +66,9 @@ class Ceiling:
     reprobe: Callable[[], float] | None = None
     ranks: int = 1  # for the note's per-rank figures
 
-    def mfu(self, flops_per_s: float, logger, step: int, timer) -> float:
-        """All ranks call with the same figure (it comes from all-reduced numbers)."""
+    def check(self, flops_per_s: float, logger, step: int, timer) -> None:
+        """Measure again when `flops_per_s` beat the ceiling. All ranks call with the same
+        figure (an all-reduced one): the probe is collective."""
         if flops_per_s > self.peak_flops and self.reprobe is not None:
             with timer.paused():
                 fresh = self.reprobe()
@@ -85,7 +86,6 @@ class Ceiling:
                     f"{self.peak_flops / self.ranks / 1e9:,.0f}",
                 }
             )
-        return flops_per_s / self.peak_flops
 
 
 @dataclass(frozen=True)
@@ -280,8 +280,10 @@ def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, log
     grad_norm = result.grad_norm if result.grad_norm is not None else float("nan")
     mean_loss, grad_norm = all_reduce_scalars([losses.take(), grad_norm], device)
     tps = steps * config.tokens_per_step / seconds
-    (mem,) = all_reduce_scalars([peak_memory_bytes(device)], device, op="max")
-    mfu = config.ceiling.mfu(tps * config.flops_per_token, logger, state.step, timer)
+    # The fastest rank's tokens/s decides a re-probe, so every rank agrees to join it.
+    mem, fastest = all_reduce_scalars([peak_memory_bytes(device), tps], device, op="max")
+    config.ceiling.check(fastest * config.flops_per_token, logger, state.step, timer)
+    mfu = tps * config.flops_per_token / config.ceiling.peak_flops
     logger.log(
         {
             "kind": "train",
