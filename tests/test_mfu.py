@@ -60,11 +60,11 @@ class _Log:
 def test_a_step_faster_than_the_ceiling_measures_it_again():
     """MFU above 100% proves the ceiling was measured in a slow spell of the host: the loop
     measures again and divides by the higher figure from then on."""
-    from training.loop.loop import Ceiling
+    from training.loop.loop import LiveCeiling
     from training.loop.timer import StepTimer
 
     probes = iter([400e9, 100e9])
-    ceiling, log = Ceiling(100e9, lambda: next(probes), ranks=2), _Log()
+    ceiling, log = LiveCeiling(100e9, lambda: next(probes), ranks=2), _Log()
     ceiling.check(200e9, log, 5, StepTimer())  # measured again: 400e9
     assert ceiling.peak_flops == 400e9 and log.records[0]["when"] == "raised"
     assert log.records[0]["per_rank_flops"] == 200e9
@@ -72,7 +72,7 @@ def test_a_step_faster_than_the_ceiling_measures_it_again():
     ceiling.check(300e9, log, 6, StepTimer())  # below the ceiling now: no probe
     assert ceiling.peak_flops == 400e9 and len(log.records) == 1
     # A ceiling given by --peak-tflops or a vendor table is never re-measured.
-    fixed = Ceiling(1e9)
+    fixed = LiveCeiling(1e9)
     fixed.check(2e9, log, 7, StepTimer())
     assert fixed.peak_flops == 1e9 and len(log.records) == 1
 

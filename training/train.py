@@ -42,7 +42,7 @@ from training.engines.construct import build_for_engine  # noqa: E402
 from training.errors import CheckpointError, ConfigError  # noqa: E402
 from training.guard import refused, run_guarded  # noqa: E402
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run  # noqa: E402
-from training.loop.loop import Ceiling  # noqa: E402
+from training.loop.loop import LiveCeiling  # noqa: E402
 from training.loop.profile import StepProfiler, parse_span  # noqa: E402
 from training.loop.restore import restore  # noqa: E402
 from training.preflight import Prepared, prepare_run  # noqa: E402
@@ -245,7 +245,7 @@ def train_loop(
         stop_at=settings.stop_at,
         max_bad_steps=settings.max_bad_steps,
         flops_per_token=record["flops_per_token"],
-        ceiling=Ceiling(record["peak_flops_per_rank"] * dist.world, reprobe, dist.world),
+        ceiling=LiveCeiling(record["peak_flops_per_rank"] * dist.world, reprobe, dist.world),
         compiled=record["compiled"],
         profiler=StepProfiler(
             parse_span(settings.profile), run_dir / "profile", dist.is_main, dist.device.type

@@ -47,7 +47,7 @@ class LoopConfig:
     stop_at: int | None
     max_bad_steps: int
     flops_per_token: float
-    ceiling: Ceiling  # what MFU divides by
+    ceiling: LiveCeiling  # what MFU divides by
     compiled: str | None = None  # what --compile compiled: the first step's time is said
     profiler: StepProfiler | None = None  # --profile
 
@@ -57,7 +57,7 @@ class LoopConfig:
 
 
 @dataclass
-class Ceiling:
+class LiveCeiling:
     """What MFU divides by: the matmul peak of all ranks together. A step that beats it shows
     the run measured its ceiling in a slow spell of a shared host; `reprobe` (measured
     ceilings only) then measures again, all ranks at once, and the higher figure stands."""
