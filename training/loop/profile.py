@@ -28,7 +28,7 @@ KINDS = (
     ("matrix products", r"^aten::(mm|bmm|addmm|matmul|linear|baddbmm|_addmm_activation)$"),
     ("attention kernel", r"scaled_dot_product|flash_attention|_efficient_attention"),
     ("softmax and loss", r"softmax|cross_entropy|nll_loss|log_softmax"),
-    ("optimizer", r"adam|_foreach_|_fused_|cpu_adam"),
+    ("optimizer", r"adam|_foreach_|cpu_adam"),  # not _fused_: rms_norm is fused too
     ("dtype copies", r"^aten::(copy_|_to_copy|to|clone|contiguous)$"),
     ("elementwise", r"^aten::"),
 )
