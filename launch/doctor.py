@@ -311,4 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from training.runtime import distributed
+
+    distributed.exit_process(code)

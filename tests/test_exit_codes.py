@@ -91,3 +91,24 @@ def test_launch_scripts_exit_with_the_documented_code(tiny_data, tmp_path, scrip
     assert "rank 1 is not responding" in record["reason"]
     assert "saving a checkpoint at the next step boundary" not in job.output
     assert not (out / "run.lock").exists()  # given back by rank 0 on its way out
+
+
+def test_a_rank_ends_with_its_code_after_running_the_exit_handlers(tmp_path):
+    """training/runtime/distributed.py exit_process: an entry point's last line leaves without
+    the interpreter's finalization (where gloo's worker threads can abort a finished run), yet
+    with its code, its atexit handlers run and its output flushed."""
+    marker = tmp_path / "atexit_ran"
+    code = (
+        "import atexit, sys\n"
+        "from training.runtime import distributed\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('yes'))\n"
+        "print('kept', end='')\n"
+        "sys.stderr.write('also kept')\n"
+        "distributed.exit_process(3)\n"
+        "print('never reached')\n"
+    )
+    p = subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert p.stdout == "kept"
+    assert p.stderr.endswith("also kept")
+    assert marker.read_text() == "yes"

@@ -284,4 +284,4 @@ def train_loop(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.exit_process(main())

@@ -17,6 +17,7 @@ acc = get_accelerator()
 acc.is_fp16_supported = lambda: True
 acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
 
+from training.runtime import distributed  # noqa: E402
 from training.train import main  # noqa: E402
 
-sys.exit(main())
+distributed.exit_process(main())

@@ -27,4 +27,4 @@ def held_listing(folder, *args, **kwargs):
 
 
 integrity.listing = held_listing
-sys.exit(train.main())
+train.distributed.exit_process(train.main())

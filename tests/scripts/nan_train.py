@@ -54,4 +54,4 @@ def build_with_nans(*args, **kwargs):
 
 
 train.build_engine = build_with_nans
-sys.exit(train.main())
+train.distributed.exit_process(train.main())

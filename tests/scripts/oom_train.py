@@ -51,4 +51,4 @@ def note_step_then_grow(step: int) -> None:
 liveness.note_step = note_step_then_grow
 
 if __name__ == "__main__":
-    sys.exit(train.main())
+    train.distributed.exit_process(train.main())

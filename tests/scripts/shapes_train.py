@@ -32,4 +32,4 @@ def build_observed(*args, **kwargs):
 train.build_engine = build_observed
 
 if __name__ == "__main__":
-    sys.exit(train.main())
+    train.distributed.exit_process(train.main())

@@ -71,3 +71,4 @@ dist.barrier()
 if rank == 0:
     print(json.dumps(out))
 distributed.teardown()
+distributed.exit_process(0)

@@ -30,4 +30,4 @@ def train():
 
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-sys.exit(run_guarded(train, rank=rank, world=world, run_dir=sys.argv[1]))
+distributed.exit_process(run_guarded(train, rank=rank, world=world, run_dir=sys.argv[1]))

@@ -79,3 +79,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
+    distributed.exit_process(0)

@@ -4,10 +4,12 @@ never from assumptions about CUDA."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -106,6 +108,24 @@ def teardown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int | None = 0):
+    """End a rank's process with `code`: the last line of an entry point that ran collectives,
+    `distributed.exit_process(main())`, in place of `sys.exit`.
+
+    It runs the atexit handlers and flushes, then leaves without the interpreter's finalization.
+    A gloo worker thread can still be dropping the last reference to a finished collective's
+    tensors as Python finalizes; the GIL that needs is gone, the thread is unwound, and the rank
+    aborts with "terminate called without an active exception" (SIGABRT) after a run that
+    succeeded, which fails the whole launch (about 1 exit in 30 here, with a core showing
+    ~AsyncBarrierWork -> ~AsyncAllgatherWork -> decref_pyobject; pytorch/pytorch#179291).
+    An exception from main never gets here: it ends the usual way, with its traceback."""
+    code = int(code or 0)
+    atexit._run_exitfuncs()  # what a normal exit would run, while the interpreter is whole
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def all_reduce_scalars(values: list[float], device: torch.device, op: str = "mean") -> list[float]:
