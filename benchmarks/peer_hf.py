@@ -6,7 +6,11 @@ count as the zerostack rows; DeepSpeed from `ds_configs/zero2.json` (the Trainer
 "auto"s, except the all-gather bucket, left to DeepSpeed's default), `use_cpu=True` (the Trainer refuses bf16 on a CPU without it), fused AdamW. Our
 model's attention kernel is the one the trainer picks, so the ratio measures the loops, not
 the kernels. Writes one JSON row (tokens/s, MFU against a ceiling measured as the trainer
-measures its own, peak resident set) to --out from rank 0."""
+measures its own, peak resident set) to --out from rank 0.
+
+`stock=True` (`--hf-stock` row) runs it as people run it instead: transformers' own
+`LlamaForCausalLM` with its default attention (SDPA), starting from the same weights (renamed by
+models/hf_adapter.py), so the row also measures the model code and the kernel."""
 
 from __future__ import annotations
 
@@ -20,7 +24,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run(argv: list[str], warmup_steps: int) -> None:
+def as_transformers_llama(model):
+    """Our model's weights in transformers' own `LlamaForCausalLM`, with its default attention
+    (SDPA), in the model's dtype: the model people run under the Trainer."""
+    from transformers import LlamaForCausalLM
+
+    from models import to_llama_config, to_llama_state_dict
+
+    dtype = next(model.parameters()).dtype
+    theirs = LlamaForCausalLM._from_config(
+        to_llama_config(model.config), attn_implementation="sdpa", dtype=dtype
+    )
+    result = theirs.load_state_dict(to_llama_state_dict(model.state_dict()), strict=False)
+    tied = {"lm_head.weight"} if theirs.config.tie_word_embeddings else set()
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise RuntimeError(f"weights did not map onto LlamaForCausalLM: {result}")
+    theirs.tie_weights()
+    return theirs
+
+
+def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -77,12 +100,17 @@ def run(argv: list[str], warmup_steps: int) -> None:
         disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.bfloat16)
-    set_attention_kernel(model, pick_attention_kernel(s.attention, "cpu", s.seq_len))
+    if stock:
+        model = as_transformers_llama(model)
+    else:
+        set_attention_kernel(model, pick_attention_kernel(s.attention, "cpu", s.seq_len))
     trainer = Trainer(model=model, args=args, train_dataset=Windows(), callbacks=[StepTimes()])
     # The ceiling as the trainer measures its own (after the process group exists).
     shapes = model_shapes(model.config, s.micro_batch * s.seq_len)
     ceiling = run_ceiling(torch.device("cpu"), torch.bfloat16, shapes).per_rank
     trainer.train()
+    # the higher of a start and an end probe: one taken in a slow spell of the host reads low
+    ceiling = max(ceiling, run_ceiling(torch.device("cpu"), torch.bfloat16, shapes).per_rank)
     tokens = s.micro_batch * s.grad_accum * world * s.seq_len
     tps = statistics.median(tokens / t for t in times[warmup_steps:] or times)
     n = sum(p.numel() for p in model.parameters())

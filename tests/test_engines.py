@@ -370,3 +370,22 @@ def test_compare_keeps_the_global_batch_for_every_layout():
         flags = job_flags(a, replicas(name, a.ranks))
         accum = int(flags[flags.index("--grad-accum") + 1])
         assert 2 * accum * replicas(name, a.ranks) == 2 * 2 * 2, (name, accum)
+
+
+def test_the_stock_peer_is_transformers_llama_with_our_weights():
+    """benchmarks/peer_hf.py's `hf_stock` row trains transformers' own LlamaForCausalLM (SDPA
+    attention) from the same initial weights as every other row: its logits equal ours."""
+    from transformers import LlamaForCausalLM
+
+    from benchmarks.peer_hf import as_transformers_llama
+    from models import build_model
+
+    torch.manual_seed(0)
+    ours = build_model("tiny", vocab_size=512).eval()
+    theirs = as_transformers_llama(ours).eval()
+    assert type(theirs) is LlamaForCausalLM
+    assert theirs.config._attn_implementation == "sdpa"
+    assert theirs.lm_head.weight.data_ptr() == theirs.model.embed_tokens.weight.data_ptr()
+    x = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x).logits, ours(x).logits, atol=2e-5, rtol=1e-4)
