@@ -48,7 +48,7 @@ LOOPS = ("reference", "reference_sdpa", "plain", "hf_trainer", "hf_stock")
 # `--peer`: the workload of the peer comparison (issue 17): a 16.9M Llama (`small` with 6
 # layers), sequence 256, micro-batch 8 per rank, no accumulation, 2 ranks x 1 thread, bf16;
 # the four engines, the plain one-process loop, the nanoGPT-style loop and the HF Trainer with
-# DeepSpeed, alternated round by round.
+# DeepSpeed (each also as people run it), alternated round by round.
 PEER = {
     "model": "small",
     "layers": 6,
@@ -640,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         "--peer",
         action="store_true",
         help="the peer workload: ZeRO-2/DDP/FSDP2/ZeRO-3, the plain loop, the nanoGPT-style "
-        "loop and the HF Trainer with DeepSpeed, `small` with 6 layers, micro-batch 8, no "
+        "loop and the HF Trainer with DeepSpeed (also as people run them: --stock-peers), "
+        "`small` with 6 layers, micro-batch 8, no "
         "accumulation, 2 rounds, the table into docs/benchmarks.md (explicit flags still win)",
     )
     if "--peer" in argv:
