@@ -8,7 +8,7 @@ model's attention kernel is the one the trainer picks, so the ratio measures the
 the kernels. Writes one JSON row (tokens/s, MFU against a ceiling measured as the trainer
 measures its own, peak resident set) to --out from rank 0.
 
-`stock=True` (`--hf-stock` row) runs it as people run it instead: transformers' own
+`stock=True` (the `hf_stock` row, `--stock-peers`) runs it as people run it instead: transformers' own
 `LlamaForCausalLM` with its default attention (SDPA), starting from the same weights (renamed by
 models/hf_adapter.py), so the row also measures the model code and the kernel."""
 

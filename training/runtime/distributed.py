@@ -118,7 +118,7 @@ def exit_process(code: int | None = 0):
     A gloo worker thread can still be dropping the last reference to a finished collective's
     tensors as Python finalizes; the GIL that needs is gone, the thread is unwound, and the rank
     aborts with "terminate called without an active exception" (SIGABRT) after a run that
-    succeeded, which fails the whole launch (about 1 exit in 30 here, with a core showing
+    succeeded, which fails the whole launch (1 exit in 69 here, with a core showing
     ~AsyncBarrierWork -> ~AsyncAllgatherWork -> decref_pyobject; pytorch/pytorch#179291).
     An exception from main never gets here: it ends the usual way, with its traceback."""
     code = int(code or 0)
