@@ -358,8 +358,7 @@ class _SwapFiles:
                 f"{names[0]}..{names[-1]} needs {numel * itemsize}; the checkpoint is incomplete"
             )
         out = torch.from_file(str(path), shared=False, size=numel, dtype=dtype)  # private map
-        _MAPPED[os.path.realpath(path)] = None
-        _FILE_MAPS.clear()
+        _note_mapped(path)
         return out
 
 
@@ -374,9 +373,14 @@ def load_mapped(path: Path):
     touched); an unreadable file, or one naming a class outside safe_load's allow-list, is a
     CheckpointError naming it."""
     obj = safe_load.load(path, mmap=True)
+    _note_mapped(path)
+    return obj
+
+
+def _note_mapped(path: Path) -> None:
+    """Every file this module maps: its pages are handed back to the kernel once copied out."""
     _MAPPED[os.path.realpath(path)] = None
     _FILE_MAPS.clear()  # mappings change with every load: look again when asked
-    return obj
 
 
 _MAPPED: dict[str, None] = {}
