@@ -13,7 +13,7 @@ class ZeroStackConfig(PretrainedConfig):
     """
 
     model_type = "zerostack"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # How tensor parallelism splits a block, in transformers' tp_plan form (Llama's plan under our
     # module names): DeepSpeed's AutoTP and transformers' own `tp_plan="auto"` read it. Column
     # splits shard the output features (whole heads, whole MLP columns), row splits the inputs.

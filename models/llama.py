@@ -364,6 +364,12 @@ def causal_lm_loss(
     return _CrossEntropyGradInForward.apply(logits, targets, ignore_index, denominator, chunk_rows)
 
 
+# The output's KV-cache field: `cache` from transformers 5.24, `past_key_values` before.
+_CACHE_FIELD = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
+
+
 class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
     """The causal LM. `forward(input_ids, labels=...)` returns a `CausalLMOutputWithPast` with an fp32 loss."""
 
@@ -372,7 +378,7 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Block"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_sdpa = True
     _tied_weights_keys = {"output.weight": "tok_embeddings.weight"}
 
@@ -412,13 +418,15 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        cache: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Logits for input_ids (batch, seq); the loss too when `labels` are given (see `causal_lm_loss`).
 
         attention_mask (batch, past + seq) of 1/0 marks padding; without it, or when it is all ones, no mask
         is built and SDPA runs with its causal flag. `use_cache=True` (what generate passes) returns a
-        DynamicCache; it is off by default so training never keeps one. `logits_to_keep=n` computes logits
+        DynamicCache; it is off by default so training never keeps one. A cache passed in is taken as
+        `past_key_values` or as `cache` (transformers 5.24's name for it). `logits_to_keep=n` computes logits
         for the last n positions only. After `set_document_mask(model, eos_id)`, a window without padding,
         cache or position_ids attends within each of its documents only. Other keyword arguments from HF
         callers (return_dict, output_attentions, ...) are ignored, except `ignore_index` and
@@ -426,6 +434,8 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if cache is not None:  # transformers >= 5.24 names the KV cache `cache`
+            past_key_values = cache
         h = self.tok_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         t = h.shape[1]
 
@@ -467,7 +477,7 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
                 ignore_index=kwargs.get("ignore_index", IGNORE_INDEX),
                 num_items_in_batch=kwargs.get("num_items_in_batch"),
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
 
 
 # Our own save_pretrained folders (model_type "zerostack") load through the Auto classes.
