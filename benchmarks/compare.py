@@ -29,6 +29,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 NATIVE = ["ddp", "fsdp"]
+# Rows that run an engine with one of the trainer's switches turned: name -> (engine, env).
+VARIANTS = {
+    "fsdp_hold": ("fsdp", {"ZEROSTACK_FSDP_HOLD": "1"}),  # weights and gradients held
+    "zero3_gloo": ("zero3", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),  # every collective on gloo
+}
 WARMUP_STEPS = 3  # steps left out of tokens/s (allocation, first-step setup, op caches)
 FLOORS = [  # (run, against, at least x)
     ("ddp", "reference", 0.95),
@@ -36,6 +41,7 @@ FLOORS = [  # (run, against, at least x)
     ("zero3", "zero2", 0.95),
     ("fsdp", "ddp", 0.95),
     ("fsdp_hold", "fsdp", 1.0),
+    ("zero3", "zero3_gloo", 1.0),
     # issue 17's goals for ZeRO-2 against the loops people run today (the peer workload)
     ("zero2", "reference", 1.3),
     ("zero2", "hf_trainer", 1.5),
@@ -124,17 +130,17 @@ def initial_weights(a) -> str:
 
 
 def engine_flags(name: str) -> list[str]:
+    name = VARIANTS.get(name, (name,))[0]
     if name in NATIVE:
         return ["--backend", name]
-    if name == "fsdp_hold":  # FSDP2 holding weights and gradients across micro-steps
-        return ["--backend", "fsdp"]
     return ["--ds_config", f"ds_configs/{name}.json"]
 
 
 def replicas(name: str, ranks: int) -> int:
     """Data-parallel replicas of an engine on `ranks` ranks: world / (pp x tp x sp), by the
     trainer's own rule (training/settings/parallel.py); the native engines are all data."""
-    if name in NATIVE or name == "fsdp_hold":
+    name = VARIANTS.get(name, (name,))[0]
+    if name in NATIVE:
         return ranks
     from training.errors import ConfigError
     from training.settings import ds_config, parallel
@@ -149,9 +155,10 @@ def replicas(name: str, ranks: int) -> int:
 def run_engine(name: str, a, repeat: int = 0) -> dict:
     out = Path(a.runs) / (name if repeat == 0 else f"{name}.{repeat}")
     t = time.time()
-    hold = {"ZEROSTACK_FSDP_HOLD": "1" if name == "fsdp_hold" else "0"} if "fsdp" in name else {}
+    env = {"ZEROSTACK_FSDP_HOLD": "0"} if name == "fsdp" else {}  # not from the caller's shell
+    env.update(VARIANTS.get(name, (name, {}))[1])
     flags = [*job_flags(a, replicas(name, a.ranks)), *engine_flags(name), "--out", str(out)]
-    p = _torchrun(a, "training/train.py", flags, env=hold)
+    p = _torchrun(a, "training/train.py", flags, env=env)
     if p.returncode != 0:
         err = [x for x in (p.stderr + p.stdout).splitlines() if x.startswith("error: ")]
         reason = err[0][len("error: ") :] if err else f"exit {p.returncode}"
@@ -185,7 +192,7 @@ def summarize(run_dir: Path, name: str) -> dict:
         "zero_stage": resolved["ds_config"].get("zero_optimization", {}).get("stage", 0),
         "n_params": resolved["n_params"],
         "ceiling": resolved["peak_flops_per_rank"],  # measured in this run, per rank
-        "shm_all_reduce": resolved.get("shm_all_reduce", False),
+        "shm_collectives": resolved.get("shm_collectives", False),
         "batch_tokens": resolved["ds_config"]["train_batch_size"] * resolved["flags"]["seq_len"],
         "layout": layout_text(resolved.get("parallel") or {"data": resolved["world"]}),
         "grad_accum": resolved["ds_config"]["gradient_accumulation_steps"],
@@ -371,10 +378,10 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "columns. Timings of the same command move by about 5% between runs, even on an idle "
         "machine: `--repeats N` keeps the best of N."
         + (
-            " The DeepSpeed rows reduce gradients through DeepSpeed's shared-memory all-reduce "
+            " The DeepSpeed rows gather and reduce through DeepSpeed's shared-memory kernel "
             "(every rank on one host; `ZEROSTACK_SHM_ALLREDUCE=0` sends them to gloo); DDP "
             "and FSDP2 through gloo."
-            if any(r.get("shm_all_reduce") for r in done)
+            if any(r.get("shm_collectives") for r in done)
             else ""
         ),
         "",
@@ -473,6 +480,7 @@ def _label(name: str) -> str:
         "reference_sdpa": "nanoGPT-style DDP, SDPA attention (as people run it)",
         "hf_stock": "HF Trainer + DeepSpeed `zero2`, transformers' Llama (as people run it)",
         "fsdp_hold": "FSDP2, weights held across micro-steps",
+        "zero3_gloo": "DeepSpeed `zero3`, every collective on gloo",
     }.get(name, f"DeepSpeed `{name}`")
 
 
@@ -612,8 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--engines",
         default=",".join(NATIVE + ds_config_names()),
-        help="comma-separated: ddp, fsdp, fsdp_hold (ZEROSTACK_FSDP_HOLD=1) and ds_configs "
-        "names (default: all but fsdp_hold)",
+        help="comma-separated: ddp, fsdp, ds_configs names, and the variants fsdp_hold "
+        "(ZEROSTACK_FSDP_HOLD=1) and zero3_gloo (ZEROSTACK_SHM_ALLREDUCE=0) (default: all but "
+        "the variants)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")
     p.add_argument(
@@ -651,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps <= WARMUP_STEPS:
         print(f"error: --steps must be more than {WARMUP_STEPS} (the warm-up)", file=sys.stderr)
         return 2
-    unknown = set(a.engines.split(",")) - set(NATIVE + ["fsdp_hold"] + ds_config_names())
+    unknown = set(a.engines.split(",")) - set(NATIVE + list(VARIANTS) + ds_config_names())
     if unknown:
         print(
             f"error: unknown engines {sorted(unknown)}; choose from ddp, fsdp, "

@@ -1,4 +1,4 @@
-"""DeepSpeed's all-reduce through shared memory on one CPU host (training/runtime/shm.py)."""
+"""DeepSpeed's collectives through shared memory on one CPU host (training/runtime/shm.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,21 @@ from conftest import launch, shm_has_room
 pytestmark = pytest.mark.slow  # real 2-rank process groups
 
 
-def test_shm_all_reduce_sums_like_gloo_and_leaves_nothing_behind():
+def test_shm_collectives_match_gloo_and_leave_nothing_behind():
     """2 real ranks: float32/bf16/fp16 sums over the kernel's chunk edges equal the exact sum
-    (to the dtype's rounding) without touching gloo; MAX, int64, async, non-contiguous and
+    (to the dtype's rounding), all-gathers are exact (also with the input inside the output,
+    as ZeRO-3 passes it) and reduce-scatters sum (also into a chunk of their input, as ZeRO-3
+    passes it), async calls included, without touching gloo; MAX, int64, non-contiguous and
     sub-group calls still go to gloo and are right; no /dev/shm segment of the run remains."""
     if not shm_has_room():
         pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
-    r = launch([], script="tests/scripts/shm_all_reduce.py")
+    r = launch([], script="tests/scripts/shm_collectives.py")
     out = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("{")))
     assert out["routed"] is True
     assert out["segments_left"] == []
-    assert out["gloo_calls_routed"] == 0  # every sum above went through shared memory
-    assert out["gloo_calls_fallback"] == 5  # MAX, non-contiguous, int64, async, sub-group
+    assert out["gloo_calls_routed"] == 0  # every call above went through shared memory
+    assert out["gloo_calls_fallback"] == 4  # MAX, non-contiguous, int64, sub-group
+    assert out["gathers"] and all(out["gathers"].values()), out["gathers"]
     assert out["max"] == [2.0] * 5
     assert out["noncontiguous"] == 3 * 45.0
     assert out["int64"] == [3, 3, 3]
@@ -32,8 +35,9 @@ def test_shm_all_reduce_sums_like_gloo_and_leaves_nothing_behind():
         assert err <= tol[key.split("/")[0]], (key, err)
 
 
-def test_shm_all_reduce_can_be_turned_off():
-    r = launch([], script="tests/scripts/shm_all_reduce.py", env={"ZEROSTACK_SHM_ALLREDUCE": "0"})
+def test_shm_collectives_can_be_turned_off():
+    r = launch([], script="tests/scripts/shm_collectives.py", env={"ZEROSTACK_SHM_ALLREDUCE": "0"})
     out = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("{")))
     assert out["routed"] is False
-    assert out["gloo_calls_routed"] == 12  # 3 dtypes x 4 sizes, all through gloo
+    assert out["gloo_calls_routed"] == 12 + 1 + 12 + 12  # sums, async sum, gathers, scatters
+    assert all(out["gathers"].values())

@@ -85,7 +85,7 @@ def test_engines_follow_the_same_trajectory(runs):
     # native engines' through gloo.
     for name in ENGINES:
         resolved = json.loads((runs[name] / "resolved_config.json").read_text())
-        assert resolved["shm_all_reduce"] == (name not in ("ddp", "fsdp") and shm_has_room())
+        assert resolved["shm_collectives"] == (name not in ("ddp", "fsdp") and shm_has_room())
     # The loop logged model-state bytes once: FSDP2 keeps half of what DDP keeps on 2 ranks.
     states = {n: read_metrics(runs[n], "state_bytes") for n in ("ddp", "fsdp")}
     assert [len(s) for s in states.values()] == [1, 1]

@@ -10,7 +10,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO, TINY_RUN, free_port, kill_marked, launch, read_metrics
+from conftest import (
+    PY,
+    REPO,
+    TINY_RUN,
+    free_port,
+    kill_marked,
+    launch,
+    read_metrics,
+    shm_has_room,
+)
 
 CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fp32"]
 COMMON = TINY_RUN
@@ -62,15 +71,16 @@ def test_every_config_trains_and_loss_falls(config_runs, name):
 @pytest.mark.slow
 def test_zero_stages_follow_the_same_trajectory(config_runs):
     """ZeRO 0-3 in bf16 from the same seed and data. ZeRO-1/2/3 keep fp32 master weights and
-    fp32 gradient reduction and agree tightly; ZeRO-0 in bf16 reduces gradients in bf16
+    fp32 gradient reduction and agree tightly, with the optimizer on the device (torch's AdamW)
+    or offloaded to the CPU (DeepSpeed's CPU Adam); ZeRO-0 in bf16 reduces gradients in bf16
     (DeepSpeed's bf16 data-parallel path), so it drifts by bf16 rounding (8 bits of mantissa,
     ~0.4% relative per step), compounded over steps: 2% relative is the bound we hold."""
     traj = {
         n: [r["loss"] for r in read_metrics(config_runs[n])]
-        for n in ("zero0", "zero1", "zero2", "zero3")
+        for n in ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
     }
     ref = traj["zero2"]
-    for name in ("zero1", "zero3"):
+    for name in ("zero1", "zero3", "zero2_offload", "zero3_offload"):
         for a, b in zip(traj[name], ref):
             assert abs(a - b) <= 2e-3 * abs(b), (name, traj[name], ref)
     for a, b in zip(traj["zero0"], ref):
@@ -78,6 +88,26 @@ def test_zero_stages_follow_the_same_trajectory(config_runs):
     # and fp32 sits within bf16 rounding of the bf16 runs
     for a, b in zip([r["loss"] for r in read_metrics(config_runs["fp32"])], ref):
         assert abs(a - b) <= 2e-2 * abs(b)
+
+
+@pytest.mark.slow
+def test_zero3_tuned_for_one_cpu_host_is_bitwise_the_stock_path(config_runs, tiny_data, tmp_path):
+    """On one CPU host ZeRO-3's gathers and gradient reductions go through DeepSpeed's
+    shared-memory kernel (training/runtime/shm.py) and each block is gathered whole
+    (engines/ds.py: gather_blocks_whole); the same run with every collective on gloo and a
+    gather per module takes the same steps to the bit."""
+    if not shm_has_room():
+        pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
+    out = tmp_path / "gloo"
+    args = ["--ds_config", "ds_configs/zero3.json", "--steps", "8", "--save-every", "-1"]
+    stock = {"ZEROSTACK_SHM_ALLREDUCE": "0", "ZEROSTACK_ZERO3_BLOCKS": "0"}
+    launch(train_args(tiny_data, out, *args), env=stock)
+    on = json.loads((config_runs["zero3"] / "resolved_config.json").read_text())
+    off = json.loads((out / "resolved_config.json").read_text())
+    assert (on["shm_collectives"], off["shm_collectives"]) == (True, False)
+    assert (on["zero3_blocks_whole"], off["zero3_blocks_whole"]) == (True, False)
+    losses = [[r["loss"] for r in read_metrics(run)] for run in (config_runs["zero3"], out)]
+    assert losses[0] == losses[1]
 
 
 @pytest.mark.slow

@@ -69,7 +69,9 @@ def run_record(
         },
         **({"accelerate": accelerate_state} if accelerate_state else {}),
         "backend": dist.backend,
-        "shm_all_reduce": shm,
+        "shm_collectives": shm,
+        # ZeRO-3 gathers each transformer block whole (engines/ds.py: gather_blocks_whole)
+        "zero3_blocks_whole": getattr(engine, "blocks_whole", False),
         "device": str(dist.device),
         "precision": prepared.precision,
         "peak_flops_per_rank": ceiling.per_rank,  # what MFU divides by, times world
@@ -125,7 +127,7 @@ def banner(record: dict, batch: tuple[int, int, int, int]) -> str:
     flags, cfg = record["flags"], record["ds_config"]
     stage = cfg.get("zero_optimization", {}).get("stage", 0)
     how = f"ZeRO-{stage}" if flags["backend"] == "deepspeed" else "batch and clipping"
-    comm = record["backend"] + (" + shm all-reduce" if record["shm_all_reduce"] else "")
+    comm = record["backend"] + (" + shm collectives" if record["shm_collectives"] else "")
     micro, accum, dp, seq = batch
     line = (
         f"zerostack: {flags['backend']} | {Path(record['ds_config_file']).name} ({how}) | "

@@ -15,7 +15,7 @@ from training.errors import BAD_INPUT, CheckpointError, ConfigError
 from training.preflight import Prepared, rank0_printer
 from training.runtime import cluster, distributed, runlock
 from training.runtime.distributed import DistInfo
-from training.runtime.shm import shared_memory_all_reduce
+from training.runtime.shm import shared_memory_collectives
 from training.settings.flags import Settings
 
 
@@ -26,7 +26,7 @@ class Started:
     dist: DistInfo
     resume: ResumePlan | None
     ds_config: dict  # the prepared one, asking for a universal load when the plan says so
-    shm: bool  # DeepSpeed's all-reduces go through shared memory
+    shm: bool  # DeepSpeed's collectives go through shared memory
     accelerate: dict | None  # accelerate's process state, when launched by it
 
 
@@ -41,8 +41,8 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
         resume = verify_resume(resume, auto, prepared.topology, settings.universal, log=log)
     accelerate = cluster.align_accelerate_state(dist.backend)
     # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
-    # CPU host its all-reduces then go through shared memory.
-    shm = settings.backend == "deepspeed" and shared_memory_all_reduce()
+    # CPU host its collectives then go through shared memory.
+    shm = settings.backend == "deepspeed" and shared_memory_collectives()
     cfg = prepared.ds_config
     if resume is not None and resume.universal:
         universal_copy(resume, dist)

@@ -1,6 +1,6 @@
-"""Run under torchrun (2 ranks): DeepSpeed's all-reduce through the shared-memory route gives
-gloo's sums, the calls it must not take still work, and no segment is left in /dev/shm.
-Prints one JSON line on rank 0."""
+"""Run under torchrun (2 ranks): DeepSpeed's all-reduces, all-gathers and reduce-scatters
+through the shared-memory route give gloo's results, the calls it must not take still work, and
+no segment is left in /dev/shm. Prints one JSON line on rank 0."""
 
 import json
 import os
@@ -17,7 +17,7 @@ import torch.distributed as dist  # noqa: E402
 from training.runtime import distributed, shm  # noqa: E402
 
 info = distributed.setup(timeout_s=60)
-routed = shm.shared_memory_all_reduce()
+routed = shm.shared_memory_collectives()
 ds.init_distributed(dist_backend=info.backend)  # a no-op when the route did it
 rank, world = info.rank, info.world
 gloo_calls = [0]
@@ -46,6 +46,47 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         t = parts[rank].clone()
         ds.all_reduce(t)
         errors[f"{dtype}/{n}"] = float((t.double() - want).abs().max() / want.abs().max())
+w = torch.ones(4)
+ds.all_reduce(w, async_op=True).wait()
+out["async"] = w.tolist()
+# All-gathers and reduce-scatters, counted where DeepSpeed hands them to torch (gloo).
+cdb = ds.comm.cdb
+
+
+def counted_by_gloo(f):
+    def call(*args, **kwargs):
+        gloo_calls[0] += 1
+        return f(*args, **kwargs)
+
+    return call
+
+
+cdb.all_gather_function = counted_by_gloo(cdb.all_gather_function)
+cdb.reduce_scatter_function = counted_by_gloo(cdb.reduce_scatter_function)
+gathers = {}
+for dtype in (torch.float32, torch.bfloat16):
+    for n in (1, 1001, 5_000_011):
+        g = torch.Generator().manual_seed(n)
+        parts = [torch.randn(n, generator=g).to(dtype) for _ in range(world)]
+        whole = torch.full((n * world,), float("nan"), dtype=dtype)
+        ds.allgather_fn(whole, parts[rank], async_op=True).wait()  # a separate input
+        same = torch.equal(whole, torch.cat(parts))
+        whole = torch.full((n * world,), float("nan"), dtype=dtype)  # ZeRO-3's way: input is
+        whole[rank * n : (rank + 1) * n] = parts[rank]  # this rank's chunk of the output
+        ds.allgather_fn(whole, whole[rank * n : (rank + 1) * n], async_op=True).wait()
+        gathers[f"{dtype}/{n}"] = same and torch.equal(whole, torch.cat(parts))
+        # reduce-scatter: a separate output (input untouched), then DeepSpeed's aliased one
+        full = [torch.randn(n * world, generator=g).to(dtype) for _ in range(world)]
+        want = sum(f.double() for f in full)[rank * n : (rank + 1) * n]
+        mine, kept = torch.empty(n, dtype=dtype), full[rank].clone()
+        ds.reduce_scatter_fn(mine, full[rank])
+        err = float((mine.double() - want).abs().max() / want.abs().max())
+        untouched = torch.equal(full[rank], kept)
+        ds.reduce_scatter_fn(full[rank][rank * n : (rank + 1) * n], full[rank])
+        got = full[rank][rank * n : (rank + 1) * n]
+        err = max(err, float((got.double() - want).abs().max() / want.abs().max()))
+        errors[f"{dtype}/scatter/{n}"] = err if untouched else float("inf")
+out["gathers"] = gathers
 out["gloo_calls_routed"] = gloo_calls[0]
 # Calls that must stay with gloo, and still be right.
 sub = dist.new_group([0])
@@ -58,9 +99,6 @@ out["noncontiguous"] = float(y.sum())
 z = torch.full((3,), rank + 1, dtype=torch.int64)
 ds.all_reduce(z)
 out["int64"] = z.tolist()
-w = torch.ones(4)
-ds.all_reduce(w, async_op=True).wait()
-out["async"] = w.tolist()
 if rank == 0:
     v = torch.ones(4)
     ds.all_reduce(v, group=sub)

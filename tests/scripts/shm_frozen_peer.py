@@ -19,7 +19,7 @@ from training.runtime import distributed, shm  # noqa: E402
 
 def train():
     info = distributed.setup(timeout_s=float(sys.argv[2]))
-    assert shm.shared_memory_all_reduce()
+    assert shm.shared_memory_collectives()
     t = torch.ones(1000)
     ds.all_reduce(t)  # both ranks get through one
     print(f"rank {info.rank} pid {os.getpid()} ready", flush=True)

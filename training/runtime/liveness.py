@@ -11,7 +11,7 @@ off), a rank that left words says why it stopped, and a live rank behind our ste
 Under torchrun the store lives in the launcher's agent and outlives every rank; under the
 deepspeed launcher rank 0 hosts it, so an unreachable store means rank 0 is gone.
 
-Some collectives cannot fail: DeepSpeed's shared-memory all-reduce spins until every rank has
+Some collectives cannot fail: DeepSpeed's shared-memory kernel spins until every rank has
 arrived, with no timeout. The main thread marks such a wait (`waiting()`), and a watchdog thread
 holds the roll call while it lasts, as a failed collective would: a peer that stopped beating
 is named and this rank exits, and a wait longer than the collective timeout ends the run like

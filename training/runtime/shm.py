@@ -1,10 +1,11 @@
-"""DeepSpeed's shared-memory all-reduce for training collectives on one CPU host.
+"""DeepSpeed's shared-memory kernel for training collectives on one CPU host.
 
 On CPU DeepSpeed builds a shared-memory all-reduce (the one its CPU inference uses), but its
 training collectives still go to gloo, which moves every byte through loopback TCP; the kernel
-is 2-3x faster per gradient bucket (docs/benchmarks.md). `shared_memory_all_reduce` routes
-DeepSpeed's synchronous whole-world all-reduces through it, and makes sure DeepSpeed's
-/dev/shm segments never outlive the run and are whole before anything is routed.
+is 2-3x faster per gradient bucket (docs/benchmarks.md). `shared_memory_collectives` routes
+DeepSpeed's all-reduces, all-gathers and reduce-scatters (the last two as sums) through it, and
+makes sure DeepSpeed's /dev/shm segments never outlive the run and are whole before anything is
+routed.
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ import torch.distributed as dist
 from training.runtime import liveness
 
 
-def shared_memory_all_reduce() -> bool:
-    """Send DeepSpeed's all-reduces through its shared-memory kernel (CPU, all ranks on one host).
+def shared_memory_collectives() -> bool:
+    """Send DeepSpeed's collectives through its shared-memory kernel (CPU, all ranks on one host).
 
-    On CPU DeepSpeed builds a shared-memory all-reduce (the one its CPU inference uses), but its
-    training collectives still go to gloo, which moves every byte through loopback TCP (2-3x
-    slower per bucket, docs/benchmarks.md). ZeRO-0/1/2 reduce
-    gradients with synchronous all-reduces over the whole world, so those are the calls routed;
-    an async call, a sub-group, another op or dtype, a non-contiguous tensor still go to gloo.
-    The kernel has no timeout, so the wait is marked for the liveness watchdog, which names a
-    peer that died in it. Call it before `deepspeed.initialize`. Returns whether the route is
-    on. ZEROSTACK_SHM_ALLREDUCE=0 opts out."""
+    The kernel only sums, in place, so: an all-reduce is the kernel; an all-gather is a sum
+    into zeros (ZeRO-1/2's parameter gathers after the step, ZeRO-3's before each block); a
+    reduce-scatter is a sum of the whole buffer of which this rank keeps its chunk (ZeRO-3's
+    gradients). Two ranks get gloo's bits (tested). Async calls are done before they return
+    (gloo's thread would compete for the same cores). A sub-group, another op or dtype, a
+    non-contiguous tensor still go to gloo. The kernel has no timeout, so the wait is marked
+    for the liveness watchdog, which names a peer that died in it. Call it before
+    `deepspeed.initialize` and zero.Init. Returns whether the route is on.
+    ZEROSTACK_SHM_ALLREDUCE=0 opts out (every collective on gloo)."""
     if not dist.is_initialized():
         return False
 
@@ -62,25 +64,87 @@ def shared_memory_all_reduce() -> bool:
         return False
     kernel = torch.ops.deepspeed.inference_all_reduce_
     needs = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}  # 2 = avx512bw
-    gloo_all_reduce = cdb.all_reduce
+    rank = dist.get_rank()
+    gloo = cdb.all_reduce, cdb.all_gather_into_tensor, cdb.reduce_scatter_tensor
 
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if (
-            not async_op
-            and tensor.device.type == "cpu"
+    def routable(tensor, op=dist.ReduceOp.SUM, group=None) -> bool:
+        return (
+            tensor.device.type == "cpu"
             and tensor.is_contiguous()
             and level >= needs.get(tensor.dtype, 99)
             and cdb._reduce_op(op) == dist.ReduceOp.SUM
             and (group is None or dist.get_world_size(group) == world)
+        )
+
+    def reduce(tensor, async_op):
+        with liveness.waiting():
+            kernel(tensor)
+        return _DONE if async_op else None  # an async call is done by the time it returns
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if routable(tensor, op, group):
+            return reduce(tensor, async_op)
+        return gloo[0](tensor, op=op, group=group, async_op=async_op)
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        # A sum over zeros: the other ranks' chunks start at zero, so the sum puts each rank's
+        # chunk in place bit for bit (only a -0.0 comes back +0.0). ZeRO-3's gathers pass this
+        # rank's chunk of the output as the input: it is left as it is.
+        n = input_tensor.numel()
+        if (
+            routable(output_tensor, group=group)
+            and input_tensor.dtype == output_tensor.dtype
+            and output_tensor.numel() == n * world
         ):
-            with liveness.waiting():
-                kernel(tensor)
-            return None
-        return gloo_all_reduce(tensor, op=op, group=group, async_op=async_op)
+            chunks = output_tensor.view(-1).split(n)
+            for r, chunk in enumerate(chunks):
+                if r != rank:
+                    chunk.zero_()
+                elif chunk.data_ptr() != input_tensor.data_ptr():
+                    chunk.copy_(input_tensor.reshape(-1))
+            return reduce(output_tensor, async_op)
+        return gloo[1](output_tensor, input_tensor, group=group, async_op=async_op)
+
+    def reduce_scatter_tensor(
+        output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False
+    ):
+        # The whole input is summed and this rank keeps its chunk. DeepSpeed's coalesced
+        # reduce-scatter (ZeRO-3's gradients) passes this rank's chunk of its own staging
+        # buffer as the output: that buffer is summed in place; any other input is copied.
+        n = output_tensor.numel()
+        if (
+            routable(input_tensor, op, group)
+            and output_tensor.is_contiguous()
+            and output_tensor.dtype == input_tensor.dtype
+            and input_tensor.numel() == n * world
+        ):
+            mine = input_tensor.view(-1)[rank * n : (rank + 1) * n]
+            if mine.data_ptr() == output_tensor.data_ptr():
+                return reduce(input_tensor, async_op)
+            whole = input_tensor.clone()
+            reduce(whole, False)
+            output_tensor.view(-1).copy_(whole.view(-1)[rank * n : (rank + 1) * n])
+            return _DONE if async_op else None
+        return gloo[2](output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
     cdb.all_reduce = all_reduce
+    cdb.all_gather_into_tensor = all_gather_into_tensor
+    cdb.reduce_scatter_tensor = reduce_scatter_tensor
     cdb.zerostack_shm = True
     return True
+
+
+class _Done:
+    """The handle of an async call the route finished before returning."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 # DeepSpeed's segment holds two 32 MiB buffers and a few flags (66 MiB in 0.19).
