@@ -3,6 +3,7 @@
 Nothing here imports DeepSpeed or training/: engines apply parallelism to the model from outside.
 """
 
+from models.blocks import transformer_blocks
 from models.compile import compile_blocks
 from models.config import ZeroStackConfig
 from models.errors import ModelError
@@ -55,4 +56,5 @@ __all__ = [
     "set_sequence_parallel",
     "to_llama_config",
     "to_llama_state_dict",
+    "transformer_blocks",
 ]

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from models.blocks import transformer_blocks
+
 
 def compile_blocks(model: nn.Module) -> tuple[int, str]:
     """Compile `model`'s blocks in place; returns (how many, their class name). A model that
     names no block classes is compiled whole: (1, its class name)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks = transformer_blocks(model)
     if not blocks:
         model.compile()
         return 1, type(model).__name__

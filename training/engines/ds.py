@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
+from models import transformer_blocks
 from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
@@ -39,8 +40,7 @@ def gather_blocks_whole(model, ds_config: dict, device: torch.device) -> bool:
         or (wanted != "1" and (nvme or device.type != "cpu"))
     ):
         return False
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
+    classes = list({type(m) for m in transformer_blocks(model)})
     if classes:
         set_z3_leaf_modules(model, classes)
     return bool(classes)
@@ -67,9 +67,9 @@ class DeepSpeedEngine(Engine):
         if "optimizer" not in ds_config:
             # Our own AdamW (fused on this device); DeepSpeed wraps it for ZeRO.
             torch_optimizer = adamw(groups, optimizer, device_type=device.type)
+        self.blocks_whole = gather_blocks_whole(model, ds_config, device)
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
         # from the same parameter groups.
-        self.blocks_whole = gather_blocks_whole(model, ds_config, device)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=torch_optimizer,

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from models import transformer_blocks
 from training.engines.native import NativeEngine
 
 DCP_DIR = "dcp"  # the sharded checkpoint inside a step folder
@@ -161,9 +162,8 @@ def _held_grads(model) -> list[torch.Tensor]:
 
 
 def _blocks(model) -> list[torch.nn.Module]:
-    """The repeated transformer blocks: ours (`layers`), or an HF model's `_no_split_modules`."""
-    names = set(getattr(model, "_no_split_modules", None) or ["Block"])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    """The repeated transformer blocks (models/blocks.py), each sharded on its own."""
+    blocks = transformer_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__}: found no transformer blocks to shard")
     return blocks
