@@ -94,6 +94,7 @@ def shared_memory_collectives() -> bool:
         if (
             routable(output_tensor, group=group)
             and input_tensor.dtype == output_tensor.dtype
+            and n > 0
             and output_tensor.numel() == n * world
         ):
             chunks = output_tensor.view(-1).split(n)
@@ -116,6 +117,7 @@ def shared_memory_collectives() -> bool:
             routable(input_tensor, op, group)
             and output_tensor.is_contiguous()
             and output_tensor.dtype == input_tensor.dtype
+            and n > 0
             and input_tensor.numel() == n * world
         ):
             mine = input_tensor.view(-1)[rank * n : (rank + 1) * n]
