@@ -62,78 +62,85 @@ def shared_memory_collectives() -> bool:
     level = getattr(cdb, "shm_vector_kernel_level", 0)
     if not (wanted and level >= 1 and whole.item()):
         return False
-    kernel = torch.ops.deepspeed.inference_all_reduce_
-    needs = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}  # 2 = avx512bw
-    rank = dist.get_rank()
-    gloo = cdb.all_reduce, cdb.all_gather_into_tensor, cdb.reduce_scatter_tensor
+    route = _Route(cdb, world, dist.get_rank(), level)
+    cdb.all_reduce = route.all_reduce
+    cdb.all_gather_into_tensor = route.all_gather_into_tensor
+    cdb.reduce_scatter_tensor = route.reduce_scatter_tensor
+    cdb.zerostack_shm = True
+    return True
 
-    def routable(tensor, op=dist.ReduceOp.SUM, group=None) -> bool:
+
+class _Route:
+    """DeepSpeed's comm calls, through the kernel where it can take them, else to gloo (the
+    comm layer's own methods, kept from before the route)."""
+
+    NEEDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}  # kernel level; 2 = avx512bw
+
+    def __init__(self, cdb, world: int, rank: int, level: int):
+        self.cdb, self.world, self.rank, self.level = cdb, world, rank, level
+        self.gloo = cdb.all_reduce, cdb.all_gather_into_tensor, cdb.reduce_scatter_tensor
+        self.kernel = torch.ops.deepspeed.inference_all_reduce_
+
+    def routable(self, tensor, op=dist.ReduceOp.SUM, group=None) -> bool:
         return (
             tensor.device.type == "cpu"
             and tensor.is_contiguous()
-            and level >= needs.get(tensor.dtype, 99)
-            and cdb._reduce_op(op) == dist.ReduceOp.SUM
-            and (group is None or dist.get_world_size(group) == world)
+            and self.level >= self.NEEDS.get(tensor.dtype, 99)
+            and self.cdb._reduce_op(op) == dist.ReduceOp.SUM
+            and (group is None or dist.get_world_size(group) == self.world)
         )
 
-    def reduce(tensor, async_op):
+    def reduce(self, tensor, async_op: bool):
         with liveness.waiting():
-            kernel(tensor)
+            self.kernel(tensor)
         return _DONE if async_op else None  # an async call is done by the time it returns
 
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if routable(tensor, op, group):
-            return reduce(tensor, async_op)
-        return gloo[0](tensor, op=op, group=group, async_op=async_op)
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if self.routable(tensor, op, group):
+            return self.reduce(tensor, async_op)
+        return self.gloo[0](tensor, op=op, group=group, async_op=async_op)
 
-    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
         # A sum over zeros: the other ranks' chunks start at zero, so the sum puts each rank's
         # chunk in place bit for bit (only a -0.0 comes back +0.0). ZeRO-3's gathers pass this
         # rank's chunk of the output as the input: it is left as it is.
         n = input_tensor.numel()
         if (
-            routable(output_tensor, group=group)
+            self.routable(output_tensor, group=group)
             and input_tensor.dtype == output_tensor.dtype
             and n > 0
-            and output_tensor.numel() == n * world
+            and output_tensor.numel() == n * self.world
         ):
-            chunks = output_tensor.view(-1).split(n)
-            for r, chunk in enumerate(chunks):
-                if r != rank:
+            for r, chunk in enumerate(output_tensor.view(-1).split(n)):
+                if r != self.rank:
                     chunk.zero_()
                 elif chunk.data_ptr() != input_tensor.data_ptr():
                     chunk.copy_(input_tensor.reshape(-1))
-            return reduce(output_tensor, async_op)
-        return gloo[1](output_tensor, input_tensor, group=group, async_op=async_op)
+            return self.reduce(output_tensor, async_op)
+        return self.gloo[1](output_tensor, input_tensor, group=group, async_op=async_op)
 
     def reduce_scatter_tensor(
-        output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False
+        self, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False
     ):
         # The whole input is summed and this rank keeps its chunk. DeepSpeed's coalesced
         # reduce-scatter (ZeRO-3's gradients) passes this rank's chunk of its own staging
         # buffer as the output: that buffer is summed in place; any other input is copied.
         n = output_tensor.numel()
         if (
-            routable(input_tensor, op, group)
+            self.routable(input_tensor, op, group)
             and output_tensor.is_contiguous()
             and output_tensor.dtype == input_tensor.dtype
             and n > 0
-            and input_tensor.numel() == n * world
+            and input_tensor.numel() == n * self.world
         ):
-            mine = input_tensor.view(-1)[rank * n : (rank + 1) * n]
-            if mine.data_ptr() == output_tensor.data_ptr():
-                return reduce(input_tensor, async_op)
+            lo, hi = self.rank * n, (self.rank + 1) * n
+            if input_tensor.view(-1)[lo:hi].data_ptr() == output_tensor.data_ptr():
+                return self.reduce(input_tensor, async_op)
             whole = input_tensor.clone()
-            reduce(whole, False)
-            output_tensor.view(-1).copy_(whole.view(-1)[rank * n : (rank + 1) * n])
+            self.reduce(whole, False)
+            output_tensor.view(-1).copy_(whole.view(-1)[lo:hi])
             return _DONE if async_op else None
-        return gloo[2](output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-    cdb.all_reduce = all_reduce
-    cdb.all_gather_into_tensor = all_gather_into_tensor
-    cdb.reduce_scatter_tensor = reduce_scatter_tensor
-    cdb.zerostack_shm = True
-    return True
+        return self.gloo[2](output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 class _Done:
