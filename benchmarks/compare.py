@@ -33,6 +33,7 @@ NATIVE = ["ddp", "fsdp"]
 VARIANTS = {
     "fsdp_hold": ("fsdp", {"ZEROSTACK_FSDP_HOLD": "1"}),  # weights and gradients held
     "zero3_gloo": ("zero3", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),  # every collective on gloo
+    "fsdp_gloo": ("fsdp", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),
 }
 WARMUP_STEPS = 3  # steps left out of tokens/s (allocation, first-step setup, op caches)
 FLOORS = [  # (run, against, at least x)
@@ -42,6 +43,7 @@ FLOORS = [  # (run, against, at least x)
     ("fsdp", "ddp", 0.95),
     ("fsdp_hold", "fsdp", 1.0),
     ("zero3", "zero3_gloo", 1.0),
+    ("fsdp", "fsdp_gloo", 1.0),
     # issue 17's goals for ZeRO-2 against the loops people run today (the peer workload)
     ("zero2", "reference", 1.3),
     ("zero2", "hf_trainer", 1.5),
@@ -378,9 +380,9 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "columns. Timings of the same command move by about 5% between runs, even on an idle "
         "machine: `--repeats N` keeps the best of N."
         + (
-            " The DeepSpeed rows gather and reduce through DeepSpeed's shared-memory kernel "
-            "(every rank on one host; `ZEROSTACK_SHM_ALLREDUCE=0` sends them to gloo); DDP "
-            "and FSDP2 through gloo."
+            " The DeepSpeed and FSDP2 rows gather and reduce through DeepSpeed's shared-memory "
+            "kernel (every rank on one host; `ZEROSTACK_SHM_ALLREDUCE=0` sends them to gloo); "
+            "DDP through gloo."
             if any(r.get("shm_collectives") for r in done)
             else ""
         ),
@@ -481,6 +483,7 @@ def _label(name: str) -> str:
         "hf_stock": "HF Trainer + DeepSpeed `zero2`, transformers' Llama (as people run it)",
         "fsdp_hold": "FSDP2, weights held across micro-steps",
         "zero3_gloo": "DeepSpeed `zero3`, every collective on gloo",
+        "fsdp_gloo": "FSDP2, every collective on gloo",
     }.get(name, f"DeepSpeed `{name}`")
 
 
@@ -621,8 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         "--engines",
         default=",".join(NATIVE + ds_config_names()),
         help="comma-separated: ddp, fsdp, ds_configs names, and the variants fsdp_hold "
-        "(ZEROSTACK_FSDP_HOLD=1) and zero3_gloo (ZEROSTACK_SHM_ALLREDUCE=0) (default: all but "
-        "the variants)",
+        "(ZEROSTACK_FSDP_HOLD=1), zero3_gloo and fsdp_gloo (ZEROSTACK_SHM_ALLREDUCE=0) "
+        "(default: all but the variants)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")
     p.add_argument(

@@ -25,6 +25,7 @@ def test_shm_collectives_match_gloo_and_leave_nothing_behind():
     assert out["gloo_calls_routed"] == 0  # every call above went through shared memory
     assert out["gloo_calls_fallback"] == 4  # MAX, non-contiguous, int64, sub-group
     assert out["gathers"] and all(out["gathers"].values()), out["gathers"]
+    assert out["fsdp"] and all(out["fsdp"].values()), out["fsdp"]  # FSDP2's, bitwise gloo's
     assert out["max"] == [2.0] * 5
     assert out["noncontiguous"] == 3 * 45.0
     assert out["int64"] == [3, 3, 3]
@@ -39,5 +40,6 @@ def test_shm_collectives_can_be_turned_off():
     r = launch([], script="tests/scripts/shm_collectives.py", env={"ZEROSTACK_SHM_ALLREDUCE": "0"})
     out = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("{")))
     assert out["routed"] is False
+    assert out["fsdp"] is None  # FSDP2 keeps its own collectives
     assert out["gloo_calls_routed"] == 12 + 1 + 12 + 12  # sums, async sum, gathers, scatters
     assert all(out["gathers"].values())

@@ -81,17 +81,32 @@ def test_engines_follow_the_same_trajectory(runs):
     for name in ("ddp", "fsdp", "zero1", "zero3"):  # measured within 8%
         for a, b in zip(norm[name], norm["zero2"]):
             assert abs(a - b) <= 0.2 * b, (name, norm[name], norm["zero2"])
-    # DeepSpeed's all-reduces went through shared memory (every rank on this host); the
-    # native engines' through gloo.
+    # DeepSpeed's and FSDP2's collectives went through shared memory (every rank on this
+    # host); DDP's through gloo.
     for name in ENGINES:
         resolved = json.loads((runs[name] / "resolved_config.json").read_text())
-        assert resolved["shm_collectives"] == (name not in ("ddp", "fsdp") and shm_has_room())
+        assert resolved["shm_collectives"] == (name != "ddp" and shm_has_room())
     # The loop logged model-state bytes once: FSDP2 keeps half of what DDP keeps on 2 ranks.
     states = {n: read_metrics(runs[n], "state_bytes") for n in ("ddp", "fsdp")}
     assert [len(s) for s in states.values()] == [1, 1]
     ddp, fsdp = states["ddp"][0], states["fsdp"][0]
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert abs(fsdp[key] / ddp[key] - 0.5) < 0.02, (key, ddp, fsdp)
+
+
+@pytest.mark.slow
+def test_fsdp_on_shared_memory_is_bitwise_fsdp_on_gloo(runs, tiny_data, init_model, tmp_path):
+    """On one CPU host FSDP2's all-gathers and reduce-scatters (an average) go through
+    DeepSpeed's shared-memory kernel (runtime/shm.py: fsdp_comms); the same run with them on
+    gloo takes the same steps to the bit, gradient norms included."""
+    if not shm_has_room():
+        pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
+    out = tmp_path / "gloo"
+    flags = [*engine_flags("fsdp"), "--save-every", "-1"]
+    launch(args(tiny_data, init_model, out, *flags), env={"ZEROSTACK_SHM_ALLREDUCE": "0"})
+    assert json.loads((out / "resolved_config.json").read_text())["shm_collectives"] is False
+    on, off = read_metrics(runs["fsdp"]), read_metrics(out)
+    assert [(r["loss"], r["grad_norm"]) for r in on] == [(r["loss"], r["grad_norm"]) for r in off]
 
 
 @pytest.fixture(scope="module")

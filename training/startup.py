@@ -41,8 +41,8 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
         resume = verify_resume(resume, auto, prepared.topology, settings.universal, log=log)
     accelerate = cluster.align_accelerate_state(dist.backend)
     # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
-    # CPU host its collectives then go through shared memory.
-    shm = settings.backend == "deepspeed" and shared_memory_collectives()
+    # CPU host its collectives, and FSDP2's, then go through shared memory.
+    shm = settings.backend in ("deepspeed", "fsdp") and shared_memory_collectives()
     cfg = prepared.ds_config
     if resume is not None and resume.universal:
         universal_copy(resume, dist)

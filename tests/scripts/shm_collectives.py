@@ -1,6 +1,6 @@
-"""Run under torchrun (2 ranks): DeepSpeed's all-reduces, all-gathers and reduce-scatters
-through the shared-memory route give gloo's results, the calls it must not take still work, and
-no segment is left in /dev/shm. Prints one JSON line on rank 0."""
+"""Run under torchrun (2 ranks): DeepSpeed's all-reduces, all-gathers and reduce-scatters, and
+FSDP2's, through the shared-memory route give gloo's results, the calls it must not take still
+work, and no segment is left in /dev/shm. Prints one JSON line on rank 0."""
 
 import json
 import os
@@ -87,6 +87,20 @@ for dtype in (torch.float32, torch.bfloat16):
         err = max(err, float((got.double() - want).abs().max() / want.abs().max()))
         errors[f"{dtype}/scatter/{n}"] = err if untouched else float("inf")
 out["gathers"] = gathers
+# FSDP2's collectives (engines/fsdp.py hands it these): a gather into a fresh buffer, and the
+# average it asks of fp32 gradients, bitwise what gloo's own average gives.
+comms = shm.fsdp_comms()
+out["fsdp"] = None if comms is None else {}
+for n in (1001, 5_000_011) if comms else ():
+    g = torch.Generator().manual_seed(n)
+    parts = [torch.randn(n, generator=g) for _ in range(world)]
+    whole = comms[0].allocate((n * world,), dtype=torch.float32, device=torch.device("cpu"))
+    comms[0](output_tensor=whole, input_tensor=parts[rank], group=dist.group.WORLD)
+    full = [torch.randn(n * world, generator=g) for _ in range(world)]
+    mine, theirs = torch.empty(n), torch.empty(n)
+    comms[1](mine, full[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+    dist.reduce_scatter_tensor(theirs, full[rank].clone(), op=dist.ReduceOp.AVG)  # gloo's
+    out["fsdp"][n] = torch.equal(whole, torch.cat(parts)) and torch.equal(mine, theirs)
 out["gloo_calls_routed"] = gloo_calls[0]
 # Calls that must stay with gloo, and still be right.
 sub = dist.new_group([0])

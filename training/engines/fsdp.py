@@ -15,6 +15,10 @@ round of a quiet-host A/B (docs/benchmarks.md) and stays opt-in only because the
 and the model-state figures assume sharded gradients; GPUs, several hosts, CPU offload and
 models whose whole gradients would not fit never get it.
 
+On one CPU host the all-gathers and reduce-scatters go through DeepSpeed's shared-memory kernel,
+as ZeRO-3's do (training/runtime/shm.py: `fsdp_comms`, FSDP2's own custom-collective hooks);
+anywhere else, or with ZEROSTACK_SHM_ALLREDUCE=0, they stay on the process group's backend.
+
 Checkpoints go through `torch.distributed.checkpoint` (DCP): every rank writes its own shards
 and the metadata says where each piece of each tensor lives, so a checkpoint saved on N ranks
 loads on M. `load_full_state_dict` reads one back into whole fp32 tensors without any process
@@ -38,6 +42,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from models import transformer_blocks
 from training.engines.native import NativeEngine
+from training.runtime.shm import fsdp_comms
 
 DCP_DIR = "dcp"  # the sharded checkpoint inside a step folder
 
@@ -72,6 +77,11 @@ class FSDPEngine(NativeEngine):
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kwargs)
         # The root's weights (embeddings, head) are needed first thing in backward anyway.
         fully_shard(model, reshard_after_forward=False, **kwargs)
+        comms = fsdp_comms()  # on one CPU host: DeepSpeed's shared-memory kernel, not gloo
+        if comms is not None:
+            for module in (*self.blocks, model):
+                module.set_custom_all_gather(comms[0])
+                module.set_custom_reduce_scatter(comms[1])
         return model
 
     def _no_sync(self):

@@ -5,7 +5,7 @@ training collectives still go to gloo, which moves every byte through loopback T
 is 2-3x faster per gradient bucket (docs/benchmarks.md). `shared_memory_collectives` routes
 DeepSpeed's all-reduces, all-gathers and reduce-scatters (the last two as sums) through it, and
 makes sure DeepSpeed's /dev/shm segments never outlive the run and are whole before anything is
-routed.
+routed; `fsdp_comms` hands FSDP2 the same all-gather and reduce-scatter.
 """
 
 from __future__ import annotations
@@ -66,8 +66,39 @@ def shared_memory_collectives() -> bool:
     cdb.all_reduce = route.all_reduce
     cdb.all_gather_into_tensor = route.all_gather_into_tensor
     cdb.reduce_scatter_tensor = route.reduce_scatter_tensor
-    cdb.zerostack_shm = True
+    cdb.zerostack_shm, cdb.zerostack_route = True, route
     return True
+
+
+def fsdp_comms() -> tuple | None:
+    """FSDP2's all-gather and reduce-scatter through the same route (its public
+    `set_custom_all_gather` / `set_custom_reduce_scatter` take them), or None when the route is
+    off: call `shared_memory_collectives` first."""
+    route = getattr(ds_comm.cdb, "zerostack_route", None)
+    if route is None:
+        return None
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class _AllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return route.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+    class _ReduceScatter(ReduceScatter):
+        allocate = _AllGather.allocate
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            # FSDP2 asks for an average of fp32 and bf16 gradients: the kernel's sum, divided
+            # here as gloo divides its sum (tested bitwise against gloo).
+            if op == dist.ReduceOp.AVG and route.routable(input_tensor, group=group):
+                work = route.reduce_scatter_tensor(output_tensor, input_tensor, group=group)
+                output_tensor.div_(dist.get_world_size(group))
+                return _DONE if async_op else work
+            return route.reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
+
+    return _AllGather(), _ReduceScatter()
 
 
 class _Route:
