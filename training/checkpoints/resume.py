@@ -117,7 +117,7 @@ def _plan_load(root: Path, tag: str, now: Topology, mode: str, why: str) -> Resu
         raise CheckpointError(f"{root / tag}: unreadable trainer state ({e})") from None
     use = universal.plan(saved, now, mode)
     if (root / tag / "offloaded_tensors").is_dir():
-        use = _nvme_checkpoint(root / tag, now, mode)
+        use = _nvme_checkpoint(root / tag, now, mode, native=not use)
     if use and not os.access(root, os.W_OK) and not universal.is_ready(root, tag):
         raise CheckpointError(
             f"{root / tag}: resuming on {now} needs a universal copy beside it, and {root} is "
@@ -126,21 +126,22 @@ def _plan_load(root: Path, tag: str, now: Topology, mode: str, why: str) -> Resu
     return ResumePlan(root, tag, use, Topology.of_checkpoint(saved), why)
 
 
-def _nvme_checkpoint(folder: Path, now: Topology, mode: str) -> bool:
+def _nvme_checkpoint(folder: Path, now: Topology, mode: str, native: bool) -> bool:
     """A checkpoint saved with ZeRO-Infinity's optimizer states on NVMe (offloaded_tensors/)
-    resumes through its universal copy, made from the swap files. DeepSpeed 0.19.8's own load
-    of such a checkpoint restores only the swap files (it skips the ZeRO optimizer files when
-    the optimizer swaps to NVMe): the Adam step count, the sub-groups too small to swap and the
-    16-bit weights would start over, a resume that looks right and is not. So a run whose
-    optimizer swaps to NVMe is refused one, and every other run loads the universal copy."""
+    resumes natively under the same layout with the optimizer still on NVMe (DeepSpeed copies
+    the swap files back; engines/ds.py: restore_swapped_optimizer loads the optimizer file that
+    DeepSpeed 0.19.8 skips there), and through its universal copy, made from the swap files,
+    under a config that keeps the optimizer in memory. A layout change that keeps the optimizer
+    on NVMe is refused: DeepSpeed's universal load into swapped sub-groups is untested here."""
     if now.optimizer_on_nvme:
+        if native:
+            return False
         raise CheckpointError(
-            f"{folder} keeps its optimizer states on NVMe (offloaded_tensors/), and DeepSpeed "
-            "cannot resume such a checkpoint under a config that swaps the optimizer to NVMe "
-            "(its load restores the swap files only: the Adam step count, the small sub-groups "
-            "and the 16-bit weights would start over); resume it under a config that keeps the "
-            "optimizer in memory (ds_configs/zero3_offload.json, zero3.json), which loads its "
-            "universal copy, or export it (python -m training.export)"
+            f"{folder} keeps its optimizer states on NVMe (offloaded_tensors/): it resumes "
+            "under the same world size and layout with the optimizer on NVMe, or through its "
+            "universal copy under a config that keeps the optimizer in memory "
+            "(ds_configs/zero3_offload.json, zero3.json), not on a new layout with the optimizer "
+            "on NVMe; or export it (python -m training.export)"
         )
     if mode == "never":
         raise CheckpointError(

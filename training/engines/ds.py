@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
 from models import transformer_blocks
+from training.checkpoints import safe_load
 from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
@@ -218,6 +220,7 @@ class DeepSpeedEngine(Engine):
             mpu.get_tensor_model_parallel_world_size = lambda: 1
             mpu.get_tensor_model_parallel_rank = lambda: 0
         try:
+            restore_swapped_optimizer(self.engine.optimizer, Path(root) / tag)
             path, _ = self.engine.load_checkpoint(
                 str(root), tag=tag, load_lr_scheduler_states=False
             )
@@ -238,6 +241,39 @@ class DeepSpeedEngine(Engine):
                 # A checkpoint of DeepSpeed's CPU Adam (offload, NVMe) counts in a plain number;
                 # torch's AdamW stops on one ("state_steps ... singleton tensors").
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+
+
+def restore_swapped_optimizer(optimizer, folder: Path) -> None:
+    """Before DeepSpeed's load_checkpoint, when ZeRO-3 swaps the optimizer to NVMe and the
+    checkpoint is native (not a universal copy). DeepSpeed 0.19.8 then skips the ZeRO optimizer
+    file: it copies offloaded_tensors/ (the swapped sub-groups' fp32 weights and moments) back
+    and rebuilds every 16-bit weight from the fp32 weights it then has, so the Adam step count
+    and the sub-groups too small to swap (kept in memory: norms, small matrices) would start
+    over, and the swapped sub-groups' moments would not be read back (the swapper reads the
+    state tensors the optimizer holds, and a fresh one holds none). From this rank's file:
+    every sub-group's step, the kept ones' fp32 weights and moments, and placeholders for the
+    swapped ones' moments, before DeepSpeed rebuilds the 16-bit weights."""
+    if not getattr(optimizer, "swap_optimizer", False) or (folder / "zero").is_dir():
+        return  # not swapping, or a universal copy (DeepSpeed loads that one whole)
+    dp = dist.get_rank(group=optimizer.dp_process_group)
+    found = sorted(folder.glob(f"*zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"))
+    if not found:
+        raise RuntimeError(f"{folder}: no ZeRO optimizer file for data-parallel rank {dp}")
+    saved = safe_load.load(found[0])["optimizer_state_dict"]
+    states, flats = saved["optimizer_state_dict"]["state"], saved["fp32_flat_groups"]
+    live = optimizer.optimizer.state  # empty until a first step: CPU Adam makes it then
+    # the saved states are numbered in the order of the fp32 sub-group flats
+    for i, flat in enumerate(optimizer.fp32_partitioned_groups_flat):
+        st = states[i]
+        if optimizer._swappable_optimizer_subgroup(i):
+            # Placeholders the swapper registers and fills from the swap files DeepSpeed copies
+            # back (unwritten memory: nothing is resident until a sub-group is swapped in).
+            n = optimizer.fp16_partitioned_groups_flat_numel[i]
+            moments = {k: torch.empty(n, dtype=flat.dtype) for k in ("exp_avg", "exp_avg_sq")}
+        else:
+            flat.data.copy_(flats[i])
+            moments = {k: st[k].clone() for k in ("exp_avg", "exp_avg_sq")}
+        live[flat] = {"step": st["step"], **moments}
 
 
 def _counts_in_python(optimizer) -> bool:
