@@ -211,12 +211,13 @@ def planned(row: dict, vocab: int, world: int, nvme_dir: Path) -> dict:
     }
 
 
-def train_args(row: dict, data: str, out: Path, steps: int) -> list[str]:
+def train_args(row: dict, data: str, out: Path, steps: int, extra=()) -> list[str]:
+    """The trainer's arguments for a row; `extra` comes last, so it overrides (--save-every)."""
     args = ["training/train.py", "--data", data, "--out", str(out), "--model", row["preset"]]
     args += ["--ds_config", f"ds_configs/{row['config']}.json", "--seq-len", str(row["seq"])]
     args += ["--micro-batch", "1", "--grad-accum", "1", "--steps", str(steps), "--log-every", "1"]
     args += ["--eval-every", "0", "--eval-samples", "2", "--save-every", "0", "--warmup", "1"]
-    return args + (["--activation-checkpointing"] if row["ckpt"] else [])
+    return args + (["--activation-checkpointing"] if row["ckpt"] else []) + list(extra)
 
 
 def torchrun(args: list[str], ranks: int) -> list[str]:
@@ -235,18 +236,26 @@ def run_row(row: dict, a) -> dict:
 
     vocab = load_manifest(a.data).vocab_size
     result = {"row": name, **row, "ranks": a.ranks, "steps": a.steps, "vocab": vocab}
+    result["forced"] = False
     result["plan"] = planned(row, vocab, a.ranks, nvme)
     print(f"[{name}] plan: {'fits' if result['plan']['fits'] else 'does NOT fit'}", flush=True)
     try:
         if not result["plan"]["fits"]:
             result["refusal"] = refusal(row, a, run)
-            return result
+            if not a.force:
+                return result
+            result["forced"] = True  # measured against the plan that refused it
+        result["disk"] = disk_room(result["plan"], work, a.ranks)
+        if not result["disk"]["checkpoint"]:
+            print(f"[{name}] {result['disk']['why']}: trained without a checkpoint", flush=True)
         # each phase is kept as soon as it is measured: a long row cut short still reports
         if row["config"].startswith("zero3") and not a.no_construction:
             result["construction"] = construction(row, a, work, vocab)
             save_result(result)
-        result["train"] = train(row, a, run, nvme)
+        result["train"] = train(row, a, run, nvme, result["forced"], result["disk"]["checkpoint"])
         save_result(result)
+        if not result["disk"]["checkpoint"]:
+            return result
         if not a.no_resume:
             result["resume"] = resume(row, a, run, result["train"])
             save_result(result)
@@ -277,6 +286,20 @@ def refusal(row: dict, a, run: Path) -> dict:
     return {"line": line, "run_folder_made": run.exists(), "launcher_code": code}
 
 
+def disk_room(plan: dict, work: Path, ranks: int) -> dict:
+    """Whether the disk holds the swap files and the checkpoint at once (the checkpoint is
+    saved while the swap files are still there; they are removed at the run's clean exit, so
+    universal conversion and export then have the swap's room): a checkpoint is ~12 bytes a
+    parameter (the fp32 master weights and Adam's two moments; 16-bit weights are within the
+    margin), the swap is the plan's NVMe bytes on each rank."""
+    free = shutil.disk_usage(work).free
+    swap = plan["per_rank_nvme"] * ranks
+    ckpt = 12 * plan["params"]
+    ok = swap + ckpt * 1.05 < free
+    why = f"swap {gib(swap)} GiB + checkpoint ~{gib(ckpt)} GiB vs {gib(free)} GiB free on disk"
+    return {"free": free, "swap": swap, "checkpoint_estimate": ckpt, "checkpoint": ok, "why": why}
+
+
 def construction(row: dict, a, work: Path, vocab: int) -> dict:
     out = work / "construct.json"
     args = ["tests/scripts/construct_rss.py", row["preset"], str(out), row["config"], str(vocab)]
@@ -294,8 +317,12 @@ def construction(row: dict, a, work: Path, vocab: int) -> dict:
     }
 
 
-def train(row: dict, a, run: Path, nvme: Path) -> dict:
-    w = Watch(torchrun(train_args(row, a.data, run, a.steps), a.ranks), {}, nvme)
+def train(row: dict, a, run: Path, nvme: Path, force: bool, checkpoint: bool) -> dict:
+    extra = (["--force"] if force else []) + ([] if checkpoint else ["--save-every", "-1"])
+    steps = a.steps
+    if a.exact_resume:  # the schedule spans the resumed step too, as the uninterrupted run's
+        steps, extra = a.steps + 1, [*extra, "--stop-at", str(a.steps)]
+    w = Watch(torchrun(train_args(row, a.data, run, steps, extra), a.ranks), {}, nvme)
     code = w.wait(a.timeout)
     if code != 0:
         raise RuntimeError(f"training failed ({code}):\n{w.output[-4000:]}")
@@ -307,9 +334,16 @@ def train(row: dict, a, run: Path, nvme: Path) -> dict:
     saved = w.when(r"saved checkpoint")
     ranks, tree = w.peak()
     save_ranks, _ = w.peak(last or 0, saved or float("inf"))
-    tag = (run / "checkpoints" / "latest").read_text().strip()
+    # where the peak falls: before the first step (construction, DeepSpeed's set-up, the
+    # optimizer's swap files written) or in the steps
+    setup_ranks, _ = w.peak(0, first_step or float("inf"))
+    steps_ranks, _ = w.peak(first_step or 0, last or float("inf"))
+    latest = run / "checkpoints" / "latest"
+    tag = latest.read_text().strip() if checkpoint else None
     return {
         "peak_rss": [ranks.get(r, 0) for r in range(a.ranks)],
+        "setup_peak_rss": [setup_ranks.get(r, 0) for r in range(a.ranks)],
+        "steps_peak_rss": [steps_ranks.get(r, 0) for r in range(a.ranks)],
         "tree_peak_rss": tree,
         "nvme_peak_bytes": w.disk_peak,
         "tokens_per_s": sum(r["tokens_per_s"] for r in later) / len(later),
@@ -318,7 +352,7 @@ def train(row: dict, a, run: Path, nvme: Path) -> dict:
         "to_first_step_s": first_step,
         "save_seconds": (saved - last) if saved and last else None,
         "save_peak_rss": [save_ranks.get(r, 0) for r in range(a.ranks)],
-        "checkpoint_bytes": folder_bytes(run / "checkpoints" / tag),
+        "checkpoint_bytes": folder_bytes(run / "checkpoints" / tag) if tag else None,
         "wall_s": w.samples[-1][0] if w.samples else None,
         "loss": [r["loss"] for r in steps],
     }
@@ -331,11 +365,27 @@ def resume(row: dict, a, run: Path, trained: dict) -> dict:
         raise RuntimeError(f"resume failed ({code}):\n{w.output[-4000:]}")
     first = w.when(rf"train step {a.steps + 1}\b|step\s+{a.steps + 1}/")
     ranks, _ = w.peak()
-    return {
+    out = {
         "to_first_step_s": first,
         "fresh_to_first_step_s": trained["to_first_step_s"],
         "peak_rss": [ranks.get(r, 0) for r in range(a.ranks)],
     }
+    if a.exact_resume:  # the same steps + 1 without a stop: the resumed step, to the bit?
+        straight = run.parent / "straight"
+        args = train_args(row, a.data, straight, a.steps + 1, ["--save-every", "-1"])
+        if Watch(torchrun(args, a.ranks), {}, None).wait(a.timeout) != 0:
+            raise RuntimeError("the uninterrupted run for the exact-resume check failed")
+        got, want = (last_step(folder) for folder in (run, straight))
+        out["exact"] = {"resumed": got, "uninterrupted": want, "equal": got == want}
+        shutil.rmtree(straight, ignore_errors=True)
+    return out
+
+
+def last_step(run: Path) -> list:
+    """[step, loss, grad norm] of a run's last logged training step."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    r = [x for x in map(json.loads, lines) if x.get("kind") == "train"][-1]
+    return [r["step"], r["loss"], r["grad_norm"]]
 
 
 def convert_and_export(run: Path, work: Path) -> tuple[dict, dict]:
@@ -384,7 +434,8 @@ def render(results: dict) -> str:
         cells = [
             f"`{r['row']}`" + (" (partial*)" if r.get("partial") else ""),
             f"{p['params'] / 1e6:,.0f}M",
-            "fits" if p["fits"] else f"refused (fits: {p['cheapest'] or 'none'})",
+            ("fits" if p["fits"] else f"refused (fits: {p['cheapest'] or 'none'})")
+            + (" (run with --force under an earlier plan)" if r.get("forced") else ""),
             f"{gib(p['per_rank_memory'])} / {gib(p['per_rank_nvme'])}",
         ]
         t = r.get("train")
@@ -408,6 +459,11 @@ def render(results: dict) -> str:
                 if t["checkpoint_bytes"]
                 else "-",
                 f"{s['to_first_step_s'] or 0:.0f} ({s['fresh_to_first_step_s'] or 0:.0f})"
+                + (
+                    {True: ", exact", False: ", NOT exact"}[s["exact"]["equal"]]
+                    if "exact" in s
+                    else ""
+                )
                 if s
                 else "-",
                 f"{u['seconds']:.0f} / {gib(u['peak_rss'])}" if u else "-",
@@ -521,8 +577,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep each row's run folder")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per training launch")
     ap.add_argument("--no-resume", action="store_true", help="leave out the resume (long rows)")
+    ap.add_argument(
+        "--exact-resume",
+        action="store_true",
+        help="also run steps+1 without a stop and compare the resumed step with it",
+    )
     ap.add_argument("--no-construction", action="store_true", help="leave out the build alone")
     ap.add_argument("--render", action="store_true", help="only redraw docs/scale.md")
+    ap.add_argument(
+        "--force", action="store_true", help="also run rows the plan refuses (to measure the plan)"
+    )
     a = ap.parse_args(argv)
     if not a.render:
         for spec in a.rows.split(","):

@@ -83,6 +83,14 @@ CATEGORIES = (
 # what one phase frees (activations, in backward) the next (the optimizer step) cannot always
 # reuse. Measured (docs/scale.md): the step's transients cost about twice their size in RSS.
 CPU_HEAP_SLACK = 1.0
+# What ZeRO-Infinity's optimizer path holds in memory beside its swap buffers (buffer_count x 4
+# bytes a sub-group element). Measured: 16 bytes more a sub-group element (350M at sub_group_size
+# 1e8 against 2e7: 1.2 GiB a rank apart beyond the buffers' own difference). Fitted to the NVMe
+# rows of docs/scale.md (350M, 1.3B, 2.7B; two sub-group sizes), within 15% of each: 0.4 GiB and
+# 1.6 bytes a parameter of the rank's partition (freed sub-group copies the heap keeps).
+NVME_SUB_GROUP_EXTRA = 16
+NVME_FIXED = int(0.4 * GiB)
+NVME_PER_PARAM = 1.6
 STATE_CATEGORIES = ("params", "grads", "optimizer", "buffers")
 
 
@@ -281,7 +289,8 @@ def model_state_placement(
             per["optimizer"]["nvme"] = optimizer
             per["grads"]["nvme"] = per["grads"]["host"]
             per["grads"]["host"] = 0
-            per["optimizer"]["host"] = count * 4 * sub
+            held = NVME_SUB_GROUP_EXTRA * sub + NVME_FIXED + NVME_PER_PARAM * n_params / dp
+            per["optimizer"]["host"] = count * 4 * sub + held
     if off_par in ("cpu", "nvme") and stage == 3:
         per["params"]["device"] = w * shape.largest_layer  # one gathered module at a time
         if off_par == "cpu":
@@ -315,10 +324,9 @@ def working_bytes(shape: ModelShape, ds_cfg: dict, world: int, activations: int)
     step = 0
     if stage >= 1 and _device(zero, "optimizer") == "none" and w == 2:
         step = max(0, 4 * shape.params // dp - activations)
-    if stage == 3 and _device(zero, "optimizer") == "nvme":
-        # At the boundary DeepSpeed casts every gradient of the partition to fp32 and holds them
-        # all until they are swapped out (stage3._finalize_offload_gradient_accumulation).
-        step = max(0, 4 * shape.params // dp - activations)
+    # With the optimizer on NVMe the fp32 gradients are cast and swapped out a reduce bucket at
+    # a time (stage3.partition_grads at the boundary), never as a whole partition; what that
+    # path holds is a sub-group's worth (model_state_placement).
     return max(gathered, step)
 
 
