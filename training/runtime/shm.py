@@ -90,8 +90,8 @@ def fsdp_comms() -> tuple | None:
         allocate = _AllGather.allocate
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            # FSDP2 asks for an average of fp32 and bf16 gradients: the kernel's sum, divided
-            # here as gloo divides its sum (tested bitwise against gloo).
+            # FSDP2 asks for an average of the gradients (fp32 here): the kernel's sum,
+            # divided here as gloo divides its sum (tested bitwise against gloo).
             if op == dist.ReduceOp.AVG and route.routable(input_tensor, group=group):
                 work = route.reduce_scatter_tensor(output_tensor, input_tensor, group=group)
                 output_tensor.div_(dist.get_world_size(group))
