@@ -114,8 +114,8 @@ def _step(run, step: int):
     return run / "checkpoints" / ckpt.tag_for(step)
 
 
-def _losses(run) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run)}
+def _losses(run, key: str = "loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_metrics(run)}
 
 
 @pytest.mark.slow
@@ -158,22 +158,27 @@ def test_nvme_checkpoint_reads_its_swap_files(nvme_runs, tmp_path):
 
 
 def _resume(nvme_runs, tiny_data, name: str, config: str):
-    nvme, base = nvme_runs["zero3_nvme"], nvme_runs["base"]
-    out = base / name
+    """The zero3_nvme run's step-2 checkpoint resumed under `config`: the new run's folder."""
+    out = nvme_runs["base"] / name
     launch(
         ["--data", str(tiny_data), "--model", str(nvme_runs["model"]), *WIDE_RUN]
-        + ["--resume", str(_step(nvme, 2)), "--save-every", "0", "--out", str(out)]
-        + ["--ds_config", config]
+        + ["--resume", str(_step(nvme_runs["zero3_nvme"], 2)), "--save-every", "0"]
+        + ["--out", str(out), "--ds_config", config]
     )
-    return {s: _losses(out)[s] for s in (3, 4)}, {s: _losses(nvme)[s] for s in (3, 4)}
+    return out
+
+
+def _after_2(run, key: str = "loss") -> dict[int, float]:
+    return {s: v for s, v in _losses(run, key).items() if s > 2}
 
 
 @pytest.mark.slow
 def test_nvme_checkpoint_resumes_under_zero2_through_its_universal_copy(nvme_runs, tiny_data):
     """The universal copy is made from the swap files: ZeRO-2 without offload takes steps 3
     and 4 as the uninterrupted run did (same weights; torch's AdamW instead of CPU Adam)."""
-    got, want = _resume(nvme_runs, tiny_data, "z2", "ds_configs/zero2.json")
+    got = _losses(_resume(nvme_runs, tiny_data, "z2", "ds_configs/zero2.json"))
     assert (nvme_runs["zero3_nvme"] / "checkpoints" / f"{ckpt.tag_for(2)}_universal").is_dir()
+    want = _after_2(nvme_runs["zero3_nvme"])
     assert got == pytest.approx(want, rel=1e-4)  # step 3: equal; step 4: 1e-6 seen
 
 
@@ -185,16 +190,9 @@ def test_nvme_checkpoint_resumes_exactly_under_nvme(nvme_runs, tiny_data):
     5.9168 against the uninterrupted 5.9030). engines/ds.py: restore_swapped_optimizer puts them
     back: steps 3 and 4 after resuming at 2 are the uninterrupted run's to the bit, losses and
     gradient norms (the wide model keeps one sub-group swapped and two in memory)."""
-    nvme, base = nvme_runs["zero3_nvme"], nvme_runs["base"]
-    out = base / "nvme_resumed"
-    launch(
-        ["--data", str(tiny_data), "--model", str(nvme_runs["model"]), *WIDE_RUN]
-        + ["--resume", str(_step(nvme, 2)), "--save-every", "0", "--out", str(out)]
-        + ["--ds_config", _config(base, "zero3_nvme")]
-    )
-    got = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(out)]
-    want = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(nvme)]
-    assert got == want[2:], (got, want)
+    out = _resume(nvme_runs, tiny_data, "nvme", _config(nvme_runs["base"], "zero3_nvme"))
+    for key in ("loss", "grad_norm"):
+        assert _losses(out, key) == _after_2(nvme_runs["zero3_nvme"], key), key
 
 
 @pytest.mark.slow

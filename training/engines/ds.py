@@ -211,6 +211,7 @@ class DeepSpeedEngine(Engine):
     def load(self, root, tag: str) -> None:
         """Load root/tag: a native checkpoint, or a universal copy when the config says
         checkpoint.load_universal (the resume plan sets it before initialize)."""
+        restore_swapped_optimizer(self.engine.optimizer, Path(root) / tag)
         mpu = self.sequence.mpu if self.sequence else None
         shim = mpu is not None and not hasattr(mpu, "get_tensor_model_parallel_world_size")
         if shim:
@@ -220,7 +221,6 @@ class DeepSpeedEngine(Engine):
             mpu.get_tensor_model_parallel_world_size = lambda: 1
             mpu.get_tensor_model_parallel_rank = lambda: 0
         try:
-            restore_swapped_optimizer(self.engine.optimizer, Path(root) / tag)
             path, _ = self.engine.load_checkpoint(
                 str(root), tag=tag, load_lr_scheduler_states=False
             )
