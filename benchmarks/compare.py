@@ -31,7 +31,9 @@ if str(REPO) not in sys.path:
 NATIVE = ["ddp", "fsdp"]
 # Rows that run an engine with one of the trainer's switches turned: name -> (engine, env).
 VARIANTS = {
-    "fsdp_hold": ("fsdp", {"ZEROSTACK_FSDP_HOLD": "1"}),  # weights and gradients held
+    # sharded across micro-steps: the hold that one CPU host gets with accumulation, off
+    "fsdp_shard": ("fsdp", {"ZEROSTACK_FSDP_HOLD": "0"}),
+    "zero3_shard": ("zero3", {"ZEROSTACK_ZERO3_HOLD": "0"}),
     "zero3_gloo": ("zero3", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),  # every collective on gloo
     "fsdp_gloo": ("fsdp", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),
 }
@@ -41,7 +43,8 @@ FLOORS = [  # (run, against, at least x)
     ("zero2", "ddp", 0.95),
     ("zero3", "zero2", 0.95),
     ("fsdp", "ddp", 0.95),
-    ("fsdp_hold", "fsdp", 1.0),
+    ("fsdp", "fsdp_shard", 1.0),
+    ("zero3", "zero3_shard", 1.0),
     ("zero3", "zero3_gloo", 1.0),
     ("fsdp", "fsdp_gloo", 1.0),
     # issue 17's goals for ZeRO-2 against the loops people run today (the peer workload)
@@ -157,7 +160,7 @@ def replicas(name: str, ranks: int) -> int:
 def run_engine(name: str, a, repeat: int = 0) -> dict:
     out = Path(a.runs) / (name if repeat == 0 else f"{name}.{repeat}")
     t = time.time()
-    env = {"ZEROSTACK_FSDP_HOLD": "0"} if name == "fsdp" else {}  # not from the caller's shell
+    env = {"ZEROSTACK_FSDP_HOLD": "", "ZEROSTACK_ZERO3_HOLD": ""}  # defaults, not the shell's
     env.update(VARIANTS.get(name, (name, {}))[1])
     flags = [*job_flags(a, replicas(name, a.ranks)), *engine_flags(name), "--out", str(out)]
     p = _torchrun(a, "training/train.py", flags, env=env)
@@ -481,7 +484,8 @@ def _label(name: str) -> str:
         "hf_trainer": "HF Trainer + DeepSpeed `zero2` (peer)",
         "reference_sdpa": "nanoGPT-style DDP, SDPA attention (as people run it)",
         "hf_stock": "HF Trainer + DeepSpeed `zero2`, transformers' Llama (as people run it)",
-        "fsdp_hold": "FSDP2, weights held across micro-steps",
+        "fsdp_shard": "FSDP2, sharded across micro-steps",
+        "zero3_shard": "DeepSpeed `zero3`, sharded across micro-steps",
         "zero3_gloo": "DeepSpeed `zero3`, every collective on gloo",
         "fsdp_gloo": "FSDP2, every collective on gloo",
     }.get(name, f"DeepSpeed `{name}`")
@@ -623,9 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--engines",
         default=",".join(NATIVE + ds_config_names()),
-        help="comma-separated: ddp, fsdp, ds_configs names, and the variants fsdp_hold "
-        "(ZEROSTACK_FSDP_HOLD=1), zero3_gloo and fsdp_gloo (ZEROSTACK_SHM_ALLREDUCE=0) "
-        "(default: all but the variants)",
+        help="comma-separated: ddp, fsdp, ds_configs names, and the variants fsdp_shard "
+        "(ZEROSTACK_FSDP_HOLD=0), zero3_shard (ZEROSTACK_ZERO3_HOLD=0), zero3_gloo and "
+        "fsdp_gloo (ZEROSTACK_SHM_ALLREDUCE=0) (default: all but the variants)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")
     p.add_argument(

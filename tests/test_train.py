@@ -111,6 +111,43 @@ def test_zero3_tuned_for_one_cpu_host_is_bitwise_the_stock_path(config_runs, tin
 
 
 @pytest.mark.slow
+def test_zero3_holding_weights_across_micro_steps_is_bitwise_and_resumes(tiny_data, tmp_path):
+    """On one CPU host with accumulation, ZeRO-3's "auto" persistence threshold covers the whole
+    model (settings/ds_config.py: persistence_threshold): weights stay gathered across
+    micro-steps. Against ZEROSTACK_ZERO3_HOLD=0, the same steps to the bit, the whole 16-bit
+    weights counted in the model states, and a checkpoint of the held run resumes exactly."""
+    args = ["--ds_config", "ds_configs/zero3.json", "--grad-accum", "2", "--steps", "6"]
+    sharded, held = tmp_path / "sharded", tmp_path / "held"
+    launch(
+        train_args(tiny_data, sharded, *args, "--save-every", "-1"),
+        env={"ZEROSTACK_ZERO3_HOLD": "0"},
+    )
+    launch(train_args(tiny_data, held, *args, "--stop-at", "3", "--save-every", "0"))
+    launch(train_args(tiny_data, held, *args, "--save-every", "0"))  # resumes from step 3
+    cfg = {
+        k: json.loads((run / "resolved_config.json").read_text())
+        for k, run in (("s", sharded), ("h", held))
+    }
+    threshold = {
+        k: c["ds_config"]["zero_optimization"]["stage3_param_persistence_threshold"]
+        for k, c in cfg.items()
+    }
+    assert threshold["h"] >= cfg["h"]["n_params"] > threshold["s"]
+    assert (cfg["h"]["held_across_micro_steps"], cfg["s"]["held_across_micro_steps"]) == (
+        True,
+        False,
+    )
+    a, b = read_metrics(sharded), read_metrics(held)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    (s,) = read_metrics(sharded, "state_bytes")
+    h = read_metrics(held, "state_bytes")[0]
+    whole = 2 * cfg["h"]["n_params"]  # bf16 weights on every rank, beside their partitions
+    assert h["params_bytes"] - s["params_bytes"] == pytest.approx(whole, rel=0.02)
+
+
+@pytest.mark.slow
 def test_exact_resume_is_bitwise(tiny_data, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     launch(train_args(tiny_data, straight, "--steps", "6", "--save-every", "-1"))

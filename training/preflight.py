@@ -26,6 +26,7 @@ from training.engines.base import OptimizerConfig
 from training.errors import CheckpointError, ConfigError
 from training.loop.profile import parse_span
 from training.loop.schedule import Schedule
+from training.memory.plan import shape_of_config
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, nvme, parallel
@@ -98,6 +99,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         **settings.as_flags(),
         **nvme.auto_values(settings.nvme_path, Path(settings.out), model_cfg),
     }
+    shape = shape_of_config(model_cfg, settings.model)  # counted on the meta device
     cfg = ds_config.resolve(
         raw,
         world=world,
@@ -105,6 +107,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         hidden_size=model_cfg.hidden_size,
         source=cfg_path,
         device_type=accelerator().device_name(),
+        params=shape.params,
     )
     if settings.backend == "deepspeed" and nvme.nvme_sections(cfg):
         nvme.check_aio(cfg_path)
@@ -113,7 +116,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     check_model(settings, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
     check_parallel(settings, cfg, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
     if settings.backend == "deepspeed":
-        check_memory(settings, cfg, cfg_path, model_cfg, world, flags)
+        check_memory(settings, cfg, cfg_path, shape, world, flags)
     now = Topology(
         settings.backend,
         world,
@@ -412,9 +415,7 @@ def check_model(settings: Settings, model_cfg, manifest, stages: int, cfg_path: 
         )
 
 
-def check_memory(
-    settings: Settings, cfg: dict, cfg_path: str, model_cfg, world: int, flags
-) -> None:
+def check_memory(settings: Settings, cfg: dict, cfg_path: str, shape, world: int, flags) -> None:
     """The memory plan (training/memory/plan.py) before any rank allocates the model: a run it
     says cannot fit is refused, naming the shipped config that would (--force tries anyway).
     The plan's advice is kept for a rank that runs out of memory later (training/guard.py)."""
@@ -423,7 +424,7 @@ def check_memory(
     zero = cfg.get("zero_optimization", {})
     swap = next((zero[s]["nvme_path"] for s in nvme.nvme_sections(cfg)), None)
     verdict = plan.check_run(
-        plan.shape_of_config(model_cfg, settings.model),
+        shape,
         cfg,
         world,
         config_name=cfg_path,

@@ -72,6 +72,8 @@ def run_record(
         "shm_collectives": shm,
         # ZeRO-3 gathers each transformer block whole (engines/ds.py: gather_blocks_whole)
         "zero3_blocks_whole": getattr(engine, "blocks_whole", False),
+        # ZeRO-3 and FSDP2 keeping weights gathered across micro-steps (one CPU host)
+        "held_across_micro_steps": getattr(engine, "hold", False),
         "device": str(dist.device),
         "precision": prepared.precision,
         "peak_flops_per_rank": ceiling.per_rank,  # what MFU divides by, times world

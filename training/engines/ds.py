@@ -22,6 +22,7 @@ from training.engines.optim import adamw, param_groups
 from training.engines.sequence import SequenceParallel
 from training.memory.state_bytes import state_bytes
 from training.settings import parallel
+from training.settings.ds_config import zero_stage
 
 
 def gather_blocks_whole(model, ds_config: dict, device: torch.device) -> bool:
@@ -80,6 +81,12 @@ class DeepSpeedEngine(Engine):
             mpu=self.sequence.mpu if self.sequence else None,
         )
         self.tensor_parallel = tp
+        # ZeRO-3 marks the weights its persistence threshold covers (settings/ds_config.py:
+        # persistence_threshold); all of them: held gathered across micro-steps
+        params = list(self.engine.module.parameters())
+        self.hold = zero_stage(ds_config) == 3 and all(
+            getattr(p, "ds_persist", False) for p in params
+        )
         if tp > 1:  # AutoTP's groups: the ranks of one tensor-parallel group read the same data
             self.dp_rank = self.engine.mpu.get_data_parallel_rank()
             self.dp_world = self.engine.mpu.get_data_parallel_world_size()

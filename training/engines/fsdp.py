@@ -5,15 +5,14 @@ and gradients are reduced in fp32 (`MixedPrecisionPolicy`). Gradients are reduce
 every micro-step, as ZeRO-2/3 do, so only shards ever accumulate: skipping the sync would hold
 whole unsharded gradients between micro-steps, which is the memory FSDP exists to save.
 
-ZEROSTACK_FSDP_HOLD=1 trades that memory for communication on one CPU host with accumulation
-(`hold_between_micro_steps`), where every collective goes through loopback gloo: the
-micro-steps of one optimizer step keep the gathered weights and accumulate whole gradients
-locally, and the step's last micro-step reduce-scatters once (per block and step one
-all-gather and one reduce-scatter, DDP's volume, instead of two all-gathers and a
-reduce-scatter per micro-step). The losses match the sharded path. It won 1.14x in every
-round of a quiet-host A/B (docs/benchmarks.md) and stays opt-in only because the memory plan
-and the model-state figures assume sharded gradients; GPUs, several hosts, CPU offload and
-models whose whole gradients would not fit never get it.
+On one CPU host with accumulation, that memory is traded for communication
+(`hold_between_micro_steps`): the micro-steps of one optimizer step keep the gathered weights
+and accumulate whole gradients locally, and the step's last micro-step reduce-scatters once
+(per block and step one all-gather and one reduce-scatter, DDP's volume, instead of two
+all-gathers and a reduce-scatter per micro-step). The losses match the sharded path; the whole
+gradients are counted in the model states. GPUs, several hosts, CPU offload and models whose
+whole gradients would not fit never get it; ZEROSTACK_FSDP_HOLD=0 turns it off
+(docs/benchmarks.md has the A/B).
 
 On one CPU host the all-gathers and reduce-scatters go through DeepSpeed's shared-memory kernel,
 as ZeRO-3's do (training/runtime/shm.py: `fsdp_comms`, FSDP2's own custom-collective hooks);
@@ -87,6 +86,19 @@ class FSDPEngine(NativeEngine):
     def _no_sync(self):
         return self._held() if self.hold else contextlib.nullcontext()
 
+    def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
+        if not (self.hold and boundary):
+            return super().forward_backward(x, y, boundary)
+        # The step's last micro-step finds the weights the held ones kept: keep them through its
+        # backward too, which then reshards and reduce-scatters (one all-gather per block a step).
+        for block in self.blocks:
+            block.set_reshard_after_forward(False, recurse=False)
+        try:
+            return super().forward_backward(x, y, boundary)
+        finally:
+            for block in self.blocks:
+                block.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+
     @contextlib.contextmanager
     def _held(self):
         """A non-final micro-step: keep weights gathered, accumulate whole gradients, no
@@ -144,11 +156,10 @@ def hold_between_micro_steps(
     device: torch.device, grad_accum: int, cpu_offload: bool, n_params: int
 ) -> bool:
     """Whether micro-steps keep weights gathered and gradients whole (see the module's note):
-    asked for (ZEROSTACK_FSDP_HOLD=1), on a CPU, with accumulation, every rank on this host,
-    and the whole fp32 gradients and bf16 weights of every rank (6 bytes a parameter each)
-    within a quarter of the host's free memory (FSDP is also how a model too big for DDP
-    fits)."""
-    if os.environ.get("ZEROSTACK_FSDP_HOLD") != "1":
+    on a CPU, with accumulation, every rank on this host, and the whole fp32 gradients and
+    bf16 weights of every rank (6 bytes a parameter each) within a quarter of the host's free
+    memory (FSDP is also how a model too big for DDP fits); not with ZEROSTACK_FSDP_HOLD=0."""
+    if os.environ.get("ZEROSTACK_FSDP_HOLD") == "0":
         return False
     world = dist.get_world_size() if dist.is_initialized() else 1
     one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world

@@ -268,6 +268,8 @@ def model_state_placement(
         ds_config.reduce_bucket_size(ds_cfg, shape.hidden, device_type),
     )
     params = w * n_params / dp if stage == 3 else w * n_params
+    if stage == 3 and _held_whole(shape, zero):
+        params += w * n_params  # every weight persists whole beside its partition
     grads = w * n_params / dp if stage >= 2 else w * n_params
     optimizer = 12 * n_params / dp if stage >= 1 else (12 if w == 2 else 8) * n_params
     buffers = bucket * w if stage in (1, 3) else 0
@@ -303,6 +305,14 @@ def model_state_placement(
     return per
 
 
+def _held_whole(shape: ModelShape, zero: dict) -> bool:
+    """Whether ZeRO-3 keeps every weight gathered (its persistence threshold covers the largest
+    module's: settings/ds_config.py persistence_threshold): then they are model states, held
+    whole all along, not gathered for a while."""
+    threshold = zero.get("stage3_param_persistence_threshold")
+    return isinstance(threshold, int) and threshold >= shape.largest_layer
+
+
 def working_bytes(shape: ModelShape, ds_cfg: dict, world: int, activations: int) -> int:
     """What a step holds for a while beside the model states, the larger of its two phases:
     ZeRO-3's gathered parameters in forward and backward (DeepSpeed keeps a gathered parameter
@@ -316,7 +326,7 @@ def working_bytes(shape: ModelShape, ds_cfg: dict, world: int, activations: int)
     w = 4 if ds_config.precision(ds_cfg) == "fp32" else 2
     dp = max(1, world // ds_config.pipeline_stages(ds_cfg))
     gathered = 0
-    if stage == 3:
+    if stage == 3 and not _held_whole(shape, zero):
         live = _int(zero.get("stage3_max_live_parameters"), 1_000_000_000)
         reuse = _int(zero.get("stage3_max_reuse_distance"), 1_000_000_000)
         kept = min(shape.params, live, max(reuse // 2, shape.largest_layer))
@@ -461,6 +471,7 @@ def resolve_config(
         hidden_size=shape.hidden,
         source=str(path),
         device_type=device_type,
+        params=shape.params,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -174,11 +175,13 @@ def resolve(
     hidden_size: int,
     source: str = "config",
     device_type: str = "cuda",
+    params: int | None = None,
 ) -> dict:
     """Apply flag overrides, resolve every "auto", derive and check the batch triplet.
 
     `flags` holds the trainer's values (argparse dests); a None value means "not given".
     `device_type` is the accelerator's ("cpu", "cuda", ...): some defaults depend on it.
+    `params` is the model's parameter count, where known (ZeRO-3's "auto" persistence uses it).
     Returns a new dict ready for `deepspeed.initialize` (no "auto" left anywhere)."""
     cfg = precheck(cfg, flags=flags, source=source, device_type=device_type)
     optimizer = hparams.resolve_optimizer(cfg, flags, flags.get("backend", "deepspeed"), source)
@@ -197,7 +200,9 @@ def resolve(
         "optimizer.params.weight_decay": optimizer["weight_decay"],
         "zero_optimization.reduce_bucket_size": reduce_bucket_size(cfg, hidden_size, device_type),
         "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
+        "zero_optimization.stage3_param_persistence_threshold": persistence_threshold(
+            cfg, hidden_size, device_type, params, world
+        ),
         "zero_optimization.allgather_bucket_size": max(hidden_size * hidden_size, 50_000_000),
         "bf16.enabled": True,
         "fp16.enabled": False,
@@ -270,6 +275,38 @@ def reduce_bucket_size(cfg: dict, hidden_size: int, device_type: str = "cuda") -
         itemsize = 4 if precision(cfg) == "fp32" or accum in ("fp32", "float32") else 2
         n = min(n, CPU_BUCKET_BYTES // itemsize)
     return n
+
+
+def persistence_threshold(
+    cfg: dict, hidden_size: int, device_type: str, params: int | None, world: int
+) -> int:
+    """ZeRO-3's "auto" stage3_param_persistence_threshold, in elements: parameters this size or
+    smaller are never partitioned. Usually 10 x hidden (norms and biases stay whole).
+
+    On one CPU host with gradient accumulation, the whole model: every weight stays gathered
+    across the micro-steps of a step and is gathered once after the optimizer step, as ZeRO-2
+    does (the 16-bit weights), instead of once per block and micro-step (on the accumulation job ZeRO-3 went from
+    0.89x to ~1.0x ZeRO-2, docs/benchmarks.md). Optimizer states and gradients stay
+    partitioned; the plan counts the whole 16-bit weights (training/memory/plan.py). Only when
+    every rank's whole weights fit in a quarter of the host's free memory (ZeRO-3 is also how a
+    model too big for ZeRO-2 fits), never with parameters offloaded, never on GPUs or several
+    hosts (unmeasured there). ZEROSTACK_ZERO3_HOLD=0 turns it off; =1 turns it on wherever the
+    model's size is known."""
+    usual = 10 * hidden_size
+    wanted = os.environ.get("ZEROSTACK_ZERO3_HOLD", "")
+    zero = cfg.get("zero_optimization", {})
+    if wanted == "0" or params is None or zero_stage(cfg) != 3:
+        return usual
+    if wanted == "1":
+        return max(usual, params)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    offloaded = str(zero.get("offload_param", {}).get("device", "none")).lower() != "none"
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    fits = (4 if precision(cfg) == "fp32" else 2) * params * local < free / 4
+    accumulates = int(cfg.get("gradient_accumulation_steps", 1)) > 1
+    if device_type == "cpu" and local == world and accumulates and not offloaded and fits:
+        return max(usual, params)
+    return usual
 
 
 PIPELINE_PARTITIONS = ("parameters", "blocks", "uniform")
