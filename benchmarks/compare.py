@@ -34,6 +34,8 @@ VARIANTS = {
     # sharded across micro-steps: the hold that one CPU host gets with accumulation, off
     "fsdp_shard": ("fsdp", {"ZEROSTACK_FSDP_HOLD": "0"}),
     "zero3_shard": ("zero3", {"ZEROSTACK_ZERO3_HOLD": "0"}),
+    # DeepSpeed dividing every reduce bucket by the world, not the trainer the loss
+    "zero2_mean": ("zero2", {"ZEROSTACK_GRAD_SUM": "0"}),
     "zero3_gloo": ("zero3", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),  # every collective on gloo
     "fsdp_gloo": ("fsdp", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),
 }
@@ -45,6 +47,7 @@ FLOORS = [  # (run, against, at least x)
     ("fsdp", "ddp", 0.95),
     ("fsdp", "fsdp_shard", 1.0),
     ("zero3", "zero3_shard", 1.0),
+    ("zero2", "zero2_mean", 1.0),
     ("zero3", "zero3_gloo", 1.0),
     ("fsdp", "fsdp_gloo", 1.0),
     # issue 17's goals for ZeRO-2 against the loops people run today (the peer workload)
@@ -160,7 +163,8 @@ def replicas(name: str, ranks: int) -> int:
 def run_engine(name: str, a, repeat: int = 0) -> dict:
     out = Path(a.runs) / (name if repeat == 0 else f"{name}.{repeat}")
     t = time.time()
-    env = {"ZEROSTACK_FSDP_HOLD": "", "ZEROSTACK_ZERO3_HOLD": ""}  # defaults, not the shell's
+    # the defaults, not the caller's shell
+    env = dict.fromkeys(("ZEROSTACK_FSDP_HOLD", "ZEROSTACK_ZERO3_HOLD", "ZEROSTACK_GRAD_SUM"), "")
     env.update(VARIANTS.get(name, (name, {}))[1])
     flags = [*job_flags(a, replicas(name, a.ranks)), *engine_flags(name), "--out", str(out)]
     p = _torchrun(a, "training/train.py", flags, env=env)
@@ -486,6 +490,7 @@ def _label(name: str) -> str:
         "hf_stock": "HF Trainer + DeepSpeed `zero2`, transformers' Llama (as people run it)",
         "fsdp_shard": "FSDP2, sharded across micro-steps",
         "zero3_shard": "DeepSpeed `zero3`, sharded across micro-steps",
+        "zero2_mean": "DeepSpeed `zero2`, dividing every bucket by the world",
         "zero3_gloo": "DeepSpeed `zero3`, every collective on gloo",
         "fsdp_gloo": "FSDP2, every collective on gloo",
     }.get(name, f"DeepSpeed `{name}`")
@@ -628,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         "--engines",
         default=",".join(NATIVE + ds_config_names()),
         help="comma-separated: ddp, fsdp, ds_configs names, and the variants fsdp_shard "
-        "(ZEROSTACK_FSDP_HOLD=0), zero3_shard (ZEROSTACK_ZERO3_HOLD=0), zero3_gloo and "
+        "(ZEROSTACK_FSDP_HOLD=0), zero3_shard (ZEROSTACK_ZERO3_HOLD=0), zero2_mean "
+        "(ZEROSTACK_GRAD_SUM=0), zero3_gloo and "
         "fsdp_gloo (ZEROSTACK_SHM_ALLREDUCE=0) (default: all but the variants)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")

@@ -148,6 +148,24 @@ def test_zero3_holding_weights_across_micro_steps_is_bitwise_and_resumes(tiny_da
 
 
 @pytest.mark.slow
+def test_zero2_summing_gradients_over_a_divided_loss_is_bitwise_deepspeeds_mean(
+    tiny_data, tmp_path
+):
+    """On a CPU, ZeRO-1/2 sum gradients across ranks ("gradient_allreduce_op": "sum") over a
+    loss the trainer divides by the world, instead of DeepSpeed dividing every bucket
+    (engines/ds.py: sum_gradients). On 2 ranks: the same steps to the bit as DeepSpeed's mean."""
+    args = ["--ds_config", "ds_configs/zero2.json", "--grad-accum", "2", "--steps", "5"]
+    runs = {k: tmp_path / k for k in ("mean", "sum")}
+    launch(train_args(tiny_data, runs["mean"], *args), env={"ZEROSTACK_GRAD_SUM": "0"})
+    launch(train_args(tiny_data, runs["sum"], *args))
+    cfg = {k: json.loads((run / "resolved_config.json").read_text()) for k, run in runs.items()}
+    assert (cfg["sum"]["gradients_summed"], cfg["mean"]["gradients_summed"]) == (True, False)
+    a, b = read_metrics(runs["mean"]), read_metrics(runs["sum"])
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+
+
+@pytest.mark.slow
 def test_exact_resume_is_bitwise(tiny_data, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     launch(train_args(tiny_data, straight, "--steps", "6", "--save-every", "-1"))

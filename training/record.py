@@ -74,6 +74,8 @@ def run_record(
         "zero3_blocks_whole": getattr(engine, "blocks_whole", False),
         # ZeRO-3 and FSDP2 keeping weights gathered across micro-steps (one CPU host)
         "held_across_micro_steps": getattr(engine, "hold", False),
+        # ZeRO-1/2 summing gradients over a loss divided by the world (engines/ds.py)
+        "gradients_summed": getattr(engine, "sums_gradients", False),
         "device": str(dist.device),
         "precision": prepared.precision,
         "peak_flops_per_rank": ceiling.per_rank,  # what MFU divides by, times world

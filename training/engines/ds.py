@@ -49,6 +49,26 @@ def gather_blocks_whole(model, ds_config: dict, device: torch.device) -> bool:
     return bool(classes)
 
 
+def sum_gradients(ds_config: dict, device: torch.device, tp: int, sp: int) -> bool:
+    """Whether ZeRO-1/2 should sum gradients across ranks ("gradient_allreduce_op": "sum", a
+    DeepSpeed setting) while the trainer divides the loss by the data-parallel world, rather
+    than DeepSpeed dividing each reduce bucket by it. The same gradients (to the bit for a
+    world that is a power of two); on a CPU the division was a pass over every bucket, 5% of a
+    ZeRO-2 step on the accumulation job (docs/benchmarks.md). Only on a CPU (measured), ZeRO
+    stage 1 or 2 without tensor or sequence parallelism, not fp16 (its loss scale), and not
+    when the config names its own gradient_allreduce_op; ZEROSTACK_GRAD_SUM=0 turns it off."""
+    zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    fp16 = bool(ds_config.get("fp16", {}).get("enabled", False))
+    return (
+        device.type == "cpu"
+        and zero in (1, 2)
+        and tp == sp == 1
+        and not fp16
+        and "gradient_allreduce_op" not in ds_config
+        and os.environ.get("ZEROSTACK_GRAD_SUM") != "0"
+    )
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
@@ -71,6 +91,9 @@ class DeepSpeedEngine(Engine):
             # Our own AdamW (fused on this device); DeepSpeed wraps it for ZeRO.
             torch_optimizer = adamw(groups, optimizer, device_type=device.type)
         self.blocks_whole = gather_blocks_whole(model, ds_config, device)
+        self.sums_gradients = sum_gradients(ds_config, device, tp, sp)
+        if self.sums_gradients:
+            ds_config = {**ds_config, "gradient_allreduce_op": "sum"}
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
         # from the same parameter groups.
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -123,6 +146,8 @@ class DeepSpeedEngine(Engine):
     def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
         loss = self.engine(**self._inputs(x, y)).loss
         scale = self.sequence.backward_scale if self.sequence else 1.0
+        if self.sums_gradients:  # the ranks' gradients are summed: their mean, as DeepSpeed's
+            scale /= self.dp_world
         self.engine.backward(poison(loss * scale))  # a non-finite loss: non-finite gradients
         if not boundary:
             self.engine.step()  # DeepSpeed counts micro-steps; no reduction, no update here
