@@ -36,6 +36,10 @@ VARIANTS = {
     "zero3_shard": ("zero3", {"ZEROSTACK_ZERO3_HOLD": "0"}),
     # DeepSpeed dividing every reduce bucket by the world, not the trainer the loss
     "zero2_mean": ("zero2", {"ZEROSTACK_GRAD_SUM": "0"}),
+    # the blocks left uncompiled (the trainer compiles them by default on a CPU)
+    "zero2_eager": ("zero2", {"ZEROSTACK_COMPILE": "0"}),
+    "zero3_eager": ("zero3", {"ZEROSTACK_COMPILE": "0"}),
+    "ddp_eager": ("ddp", {"ZEROSTACK_COMPILE": "0"}),
     "zero3_gloo": ("zero3", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),  # every collective on gloo
     "fsdp_gloo": ("fsdp", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),
 }
@@ -48,6 +52,7 @@ FLOORS = [  # (run, against, at least x)
     ("fsdp", "fsdp_shard", 1.0),
     ("zero3", "zero3_shard", 1.0),
     ("zero2", "zero2_mean", 1.0),
+    ("zero2", "zero2_eager", 1.0),
     ("zero3", "zero3_gloo", 1.0),
     ("fsdp", "fsdp_gloo", 1.0),
     # issue 17's goals for ZeRO-2 against the loops people run today (the peer workload)
@@ -70,7 +75,7 @@ PEER = {
     "grad_accum": 1,
     "steps": 10,
     "repeats": 2,
-    "engines": "zero2,ddp,fsdp,zero3",
+    "engines": "zero2,ddp,fsdp,zero3,zero2_eager",
     "no_reference": False,
     "hf_trainer": True,
     "stock_peers": True,
@@ -164,7 +169,8 @@ def run_engine(name: str, a, repeat: int = 0) -> dict:
     out = Path(a.runs) / (name if repeat == 0 else f"{name}.{repeat}")
     t = time.time()
     # the defaults, not the caller's shell
-    env = dict.fromkeys(("ZEROSTACK_FSDP_HOLD", "ZEROSTACK_ZERO3_HOLD", "ZEROSTACK_GRAD_SUM"), "")
+    switches = ("FSDP_HOLD", "ZERO3_HOLD", "GRAD_SUM", "COMPILE")
+    env = {f"ZEROSTACK_{k}": "" for k in switches}
     env.update(VARIANTS.get(name, (name, {}))[1])
     flags = [*job_flags(a, replicas(name, a.ranks)), *engine_flags(name), "--out", str(out)]
     p = _torchrun(a, "training/train.py", flags, env=env)
@@ -491,6 +497,9 @@ def _label(name: str) -> str:
         "fsdp_shard": "FSDP2, sharded across micro-steps",
         "zero3_shard": "DeepSpeed `zero3`, sharded across micro-steps",
         "zero2_mean": "DeepSpeed `zero2`, dividing every bucket by the world",
+        "zero2_eager": "DeepSpeed `zero2`, blocks not compiled",
+        "zero3_eager": "DeepSpeed `zero3`, blocks not compiled",
+        "ddp_eager": "DDP, blocks not compiled",
         "zero3_gloo": "DeepSpeed `zero3`, every collective on gloo",
         "fsdp_gloo": "FSDP2, every collective on gloo",
     }.get(name, f"DeepSpeed `{name}`")
@@ -634,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(NATIVE + ds_config_names()),
         help="comma-separated: ddp, fsdp, ds_configs names, and the variants fsdp_shard "
         "(ZEROSTACK_FSDP_HOLD=0), zero3_shard (ZEROSTACK_ZERO3_HOLD=0), zero2_mean "
-        "(ZEROSTACK_GRAD_SUM=0), zero3_gloo and "
+        "(ZEROSTACK_GRAD_SUM=0), zero2_eager, zero3_eager and ddp_eager (ZEROSTACK_COMPILE=0), "
+        "zero3_gloo and "
         "fsdp_gloo (ZEROSTACK_SHM_ALLREDUCE=0) (default: all but the variants)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")

@@ -16,6 +16,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
+# The suite's runs are a few steps of a tiny model, where compiling the blocks (the trainer's
+# default on a CPU) costs more than it saves: every launch inherits the default's off switch.
+# tests/test_compile.py runs the default itself.
+os.environ.setdefault("ZEROSTACK_COMPILE", "0")
 
 
 def free_port() -> int:

@@ -1,33 +1,67 @@
-"""--compile: torch.compile of each transformer block (models/compile.py), under a real engine."""
+"""Compiling each transformer block (models/compile.py): on by default on a CPU
+(training/preflight.py: compile_by_default), under real engines, ZeRO-3 included."""
 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 from conftest import TINY_RUN, launch, read_metrics
 
 from models import build_model, compile_blocks
+from training.preflight import compile_by_default
+from training.settings import ds_config
 
 
-def test_the_blocks_are_what_gets_compiled():
+def test_the_blocks_forward_is_what_gets_compiled():
     model = build_model("tiny", vocab_size=512)
     assert compile_blocks(model) == (model.config.num_hidden_layers, "Block")
-    assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl for b in model.layers)
-    assert not getattr(model, "_compiled_call_impl", None)  # the model itself stays eager
+    # one compiled function for the class, bound to each block: hooks stay outside the graph
+    forwards = [b.forward for b in model.layers]
+    assert all(isinstance(f, types.MethodType) for f in forwards)
+    assert len({id(f.__func__) for f in forwards}) == 1
+    assert "forward" not in vars(model)  # the model itself stays eager
+    assert not any(getattr(b, "_compiled_call_impl", None) for b in model.layers)
+
+
+def test_compile_by_default_where_it_was_measured(monkeypatch):
+    monkeypatch.delenv("ZEROSTACK_COMPILE", raising=False)
+    load = lambda name: ds_config.load_json(f"ds_configs/{name}.json")  # noqa: E731
+    assert compile_by_default(load("zero2"), "cpu", activation_checkpointing=False)
+    assert compile_by_default(load("zero3"), "cpu", activation_checkpointing=False)
+    assert not compile_by_default(load("zero2"), "cuda", activation_checkpointing=False)
+    assert not compile_by_default(load("zero2"), "cpu", activation_checkpointing=True)
+    assert not compile_by_default(load("pipeline"), "cpu", activation_checkpointing=False)
+    assert not compile_by_default(load("zero3_offload"), "cpu", activation_checkpointing=False)
+    monkeypatch.setenv("ZEROSTACK_COMPILE", "0")
+    assert not compile_by_default(load("zero2"), "cpu", activation_checkpointing=False)
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_like_eager(tiny_data, tmp_path):
-    """ZeRO-2 on 2 ranks with and without --compile: the same losses within rounding, the
-    record says what was compiled, and the console says what the first step cost."""
+@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp"])
+def test_compiled_blocks_train_like_eager(tiny_data, tmp_path, engine):
+    """2 ranks by default (compiled) and with --no-compile: the same losses within rounding,
+    the record says what was compiled, the console what the first step cost. ZeRO-3 and FSDP2
+    compile too: their hooks run outside the compiled forward, so nothing recompiles per
+    block (FSDP2 here holding its weights across the micro-steps)."""
     losses, logs = {}, {}
-    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+    for name, extra in (("eager", ["--no-compile"]), ("compiled", [])):
         out = tmp_path / name
         args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "4"]
-        logs[name] = launch([*args, "--save-every", "-1", "--peak-tflops", "1", *extra])
+        args += ["--grad-accum", "2"]
+        args += (
+            ["--backend", "fsdp"]
+            if engine == "fsdp"
+            else ["--ds_config", f"ds_configs/{engine}.json"]
+        )
+        env = {"ZEROSTACK_COMPILE": "", "TORCH_LOGS": "recompiles"}
+        logs[name] = launch([*args, "--save-every", "-1", *extra], env=env)
         losses[name] = [r["loss"] for r in read_metrics(out)]
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=2e-3)
     record = json.loads((tmp_path / "compiled" / "resolved_config.json").read_text())
     assert record["compiled"] == "2 x Block"
+    assert json.loads((tmp_path / "eager" / "resolved_config.json").read_text())["compiled"] is None
     assert "torch.compile (2 x Block): the first step took" in logs["compiled"].stdout
+    # at most the one recompile for evaluation's no-grad forward, per rank
+    assert logs["compiled"].stderr.count("Recompiling function") <= 2 * 2

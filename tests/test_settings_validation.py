@@ -178,10 +178,6 @@ FLAG_CASES = {
     "--profile 5:2": (["--profile", "5:2"], "--profile takes FIRST:LAST steps"),
     "--profile 3": (["--profile", "3"], "--profile takes FIRST:LAST steps"),
     "--profile past the end": (["--profile", "2:999999"], "the run has"),
-    "--compile with ZeRO-3": (
-        ["--compile", "--ds_config", "ds_configs/zero3.json"],
-        "--compile with ZeRO-3 recompiles every block",
-    ),
 }
 
 

@@ -51,6 +51,7 @@ class Prepared:
     schedule: Schedule | None = None
     activation_checkpointing: bool = False  # the flag, or the config's section
     model_overrides: dict | None = None  # config fields the model is built with (positions)
+    compile: bool = False  # --compile, or its default (compile_by_default)
 
     @property
     def micro_batch(self) -> int:
@@ -145,6 +146,30 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         Schedule(**schedule),
         ds_config.activation_checkpointing(cfg, flags),
         overrides,
+        settings.compile
+        if settings.compile is not None
+        else compile_by_default(cfg, device, ds_config.activation_checkpointing(cfg, flags)),
+    )
+
+
+def compile_by_default(cfg: dict, device_type: str, activation_checkpointing: bool) -> bool:
+    """Whether a run that does not say --compile / --no-compile compiles its blocks: where it
+    was measured to win (docs/benchmarks.md: 1.15-1.19x on the peer and accumulation jobs under
+    ZeRO-2 and ZeRO-3, the first step 3-11 s longer): on a CPU, with a C++ compiler for
+    Inductor, and none of what it was not measured with (pipeline stages, which it does not
+    reach; tensor or sequence parallelism; activation checkpointing; parameter offload). GPUs
+    keep it opt-in, unmeasured. ZEROSTACK_COMPILE=0 turns this default off."""
+    import shutil
+
+    zero = cfg.get("zero_optimization", {})
+    return (
+        device_type == "cpu"
+        and os.environ.get("ZEROSTACK_COMPILE") != "0"
+        and shutil.which(os.environ.get("CXX", "g++")) is not None
+        and ds_config.pipeline_stages(cfg) == 1
+        and parallel.tensor_size(cfg) == parallel.sequence_size(cfg) == 1
+        and not activation_checkpointing
+        and str(zero.get("offload_param", {}).get("device", "none")).lower() == "none"
     )
 
 
@@ -315,14 +340,6 @@ def check_engine(settings: Settings, cfg: dict, cfg_path: str, precision: str) -
             )
     if settings.backend != "deepspeed" and ds_config.pipeline_stages(cfg) > 1:
         raise ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
-    if settings.compile and settings.backend == "deepspeed" and ds_config.zero_stage(cfg) == 3:
-        # ZeRO-3 gathers and frees each block's weights around its forward: torch.compile
-        # recompiles every block until its limit and then runs it eagerly (measured: 5x slower
-        # than ZeRO-2 with --compile on the tiny preset).
-        raise ConfigError(
-            f"{cfg_path}: --compile with ZeRO-3 recompiles every block and ends up slower than "
-            "without it; drop --compile, or use ds_configs/zero2.json or --backend fsdp with it"
-        )
 
 
 def check_parallel(
@@ -402,7 +419,7 @@ def check_model(settings: Settings, model_cfg, manifest, stages: int, cfg_path: 
             f"Llama folder); this is a {kind!r} model, which cannot be cut into stages. Use a "
             "non-pipeline config such as ds_configs/zero1.json"
         )
-    if settings.compile:
+    if settings.compile:  # asked for (the default leaves pipelines eager)
         raise ConfigError(
             f"{cfg_path}: --compile does not reach the pipeline's stages (it compiles the built "
             "model's blocks); drop --compile or use a non-pipeline config"

@@ -5,8 +5,8 @@ train.py and handed over as that component's own small config; nothing below tra
 
 A field's flag is `--` plus its name with `_` as `-`; `aliases` adds spellings (DeepSpeed's and
 HF Trainer's where they mean the same thing: README, "Flags from HF Trainer"). A `bool` field
-whose default is False is a switch (`--compile`); one whose default is True also gets its
-`--no-` form (`--no-fsdp-reshard-after-forward`). No prefix of a flag is accepted
+whose default is False is a switch (`--force`); one whose default is True (or None, decided
+later: `--compile`) also gets its `--no-` form (`--no-fsdp-reshard-after-forward`). No prefix of a flag is accepted
 (`allow_abbrev=False`): a new flag can never change what an old command line means.
 
 The optimizer's numbers and the schedule default to None, "not given": a value given on the
@@ -102,8 +102,12 @@ class Settings:
         "activation_checkpointing section)",
         aliases=["--gradient_checkpointing"],
     )
-    compile: bool = flag(
-        False, "torch.compile the model in place (fuses the elementwise work; first steps compile)"
+    compile: bool | None = flag(
+        None,
+        "torch.compile each transformer block in place (fuses the elementwise work; the first "
+        "step compiles). Default: on where it was measured to win (a CPU with a C++ compiler; "
+        "not with pipeline, tensor or sequence parallelism, activation checkpointing or "
+        "parameter offload; ZEROSTACK_COMPILE=0 turns the default off)",
     )
     attention: str = flag(
         "auto",
@@ -228,7 +232,8 @@ def parser() -> argparse.ArgumentParser:
         else:
             kw["default"] = f.default
         if kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+            # a switch; a default of True or None ("decided later") also gets its --no- form
+            kw["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
         else:
             kw["type"] = kind
             if meta["choices"]:
