@@ -34,6 +34,7 @@ def test_compile_by_default_where_it_was_measured(monkeypatch):
     assert not compile_by_default(load("zero2"), "cpu", activation_checkpointing=True)
     assert not compile_by_default(load("pipeline"), "cpu", activation_checkpointing=False)
     assert not compile_by_default(load("zero3_offload"), "cpu", activation_checkpointing=False)
+    assert not compile_by_default(load("zero2"), "cpu", activation_checkpointing=False, ours=False)
     monkeypatch.setenv("ZEROSTACK_COMPILE", "0")
     assert not compile_by_default(load("zero2"), "cpu", activation_checkpointing=False)
 

@@ -148,22 +148,31 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         overrides,
         settings.compile
         if settings.compile is not None
-        else compile_by_default(cfg, device, ds_config.activation_checkpointing(cfg, flags)),
+        else compile_by_default(
+            cfg,
+            device,
+            ds_config.activation_checkpointing(cfg, flags),
+            ours=getattr(model_cfg, "model_type", "?") in ("zerostack", "llama"),
+        ),
     )
 
 
-def compile_by_default(cfg: dict, device_type: str, activation_checkpointing: bool) -> bool:
+def compile_by_default(
+    cfg: dict, device_type: str, activation_checkpointing: bool, ours: bool = True
+) -> bool:
     """Whether a run that does not say --compile / --no-compile compiles its blocks: where it
     was measured to win (docs/benchmarks.md: 1.15-1.19x on the peer and accumulation jobs under
-    ZeRO-2 and ZeRO-3, the first step 3-11 s longer): on a CPU, with a C++ compiler for
-    Inductor, and none of what it was not measured with (pipeline stages, which it does not
-    reach; tensor or sequence parallelism; activation checkpointing; parameter offload). GPUs
-    keep it opt-in, unmeasured. ZEROSTACK_COMPILE=0 turns this default off."""
+    ZeRO-2 and ZeRO-3, the first step 3-11 s longer): our model (a preset, our folder or a
+    Llama folder), on a CPU, with a C++ compiler for Inductor, and none of what it was not
+    measured with (pipeline stages, which it does not reach; tensor or sequence parallelism;
+    activation checkpointing; parameter offload). Other models and GPUs keep it opt-in,
+    unmeasured. ZEROSTACK_COMPILE=0 turns this default off."""
     import shutil
 
     zero = cfg.get("zero_optimization", {})
     return (
-        device_type == "cpu"
+        ours
+        and device_type == "cpu"
         and os.environ.get("ZEROSTACK_COMPILE") != "0"
         and shutil.which(os.environ.get("CXX", "g++")) is not None
         and ds_config.pipeline_stages(cfg) == 1

@@ -34,7 +34,6 @@ from models import (  # noqa: E402
     pick_attention_kernel,
     set_attention_kernel,
     set_document_mask,
-    transformer_blocks,
 )
 from models.hub import resolve_pretrained  # noqa: E402
 from training.checkpoints.weights import folder_weights  # noqa: E402
@@ -179,9 +178,7 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
     if prepared.activation_checkpointing:  # the flag, or the config's section
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = None
-    # in place: parameter names and checkpoints are unchanged. By default only a model with
-    # blocks (compiling a whole model took ~90 s on 2 cores)
-    if prepared.compile and (settings.compile or transformer_blocks(model)):
+    if prepared.compile:  # in place: parameter names and checkpoints are unchanged
         n, what = compile_blocks(model)
         compiled = f"{n} x {what}" if n > 1 else what
     n_params = sum(getattr(w, "ds_numel", w.numel()) for w in model.parameters())

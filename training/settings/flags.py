@@ -105,7 +105,8 @@ class Settings:
     compile: bool | None = flag(
         None,
         "torch.compile each transformer block in place (fuses the elementwise work; the first "
-        "step compiles). Default: on where it was measured to win (a CPU with a C++ compiler; "
+        "step compiles). Default: on where it was measured to win (our model on a CPU with a C++ "
+        "compiler; "
         "not with pipeline, tensor or sequence parallelism, activation checkpointing or "
         "parameter offload; ZEROSTACK_COMPILE=0 turns the default off)",
     )
