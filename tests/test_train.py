@@ -112,8 +112,8 @@ def test_zero3_tuned_for_one_cpu_host_is_bitwise_the_stock_path(config_runs, tin
 
 @pytest.mark.slow
 def test_zero3_holding_weights_across_micro_steps_is_bitwise_and_resumes(tiny_data, tmp_path):
-    """On one CPU host with accumulation, ZeRO-3's "auto" persistence threshold covers the whole
-    model (settings/ds_config.py: persistence_threshold): weights stay gathered across
+    """On one CPU host ZeRO-3's "auto" persistence threshold covers the whole model
+    (settings/ds_config.py: persistence_threshold): weights stay gathered, here across 2
     micro-steps. Against ZEROSTACK_ZERO3_HOLD=0, the same steps to the bit, the whole 16-bit
     weights counted in the model states, and a checkpoint of the held run resumes exactly."""
     args = ["--ds_config", "ds_configs/zero3.json", "--grad-accum", "2", "--steps", "6"]

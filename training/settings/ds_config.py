@@ -283,14 +283,16 @@ def persistence_threshold(
     """ZeRO-3's "auto" stage3_param_persistence_threshold, in elements: parameters this size or
     smaller are never partitioned. Usually 10 x hidden (norms and biases stay whole).
 
-    On one CPU host with gradient accumulation, the whole model: every weight stays gathered
-    across the micro-steps of a step and is gathered once after the optimizer step, as ZeRO-2
-    does (the 16-bit weights), instead of once per block and micro-step (on the accumulation job ZeRO-3 went from
-    0.89x to ~1.0x ZeRO-2, docs/benchmarks.md). Optimizer states and gradients stay
-    partitioned; the plan counts the whole 16-bit weights (training/memory/plan.py). Only when
-    every rank's whole weights fit in a quarter of the host's free memory (ZeRO-3 is also how a
-    model too big for ZeRO-2 fits), never with parameters offloaded, never on GPUs or several
-    hosts (unmeasured there). ZEROSTACK_ZERO3_HOLD=0 turns it off; =1 turns it on wherever the
+    On one CPU host, the whole model: every weight stays gathered across the micro-steps of a
+    step and is gathered once after the optimizer step, as ZeRO-2 does (the 16-bit weights),
+    instead of once per block and micro-step, with DeepSpeed's release and fetch around every
+    block (docs/benchmarks.md: ZeRO-3 1.065x with 2 micro-steps, 1.04x with one). Optimizer
+    states and gradients stay partitioned; the plan counts the whole 16-bit weights
+    (training/memory/plan.py), which DeepSpeed holds gathered through forward and backward
+    anyway for a model of up to ~500M parameters (stage3_max_reuse_distance). Only when every
+    rank's whole weights fit in a quarter of the host's free memory (ZeRO-3 is also how a model
+    too big for ZeRO-2 fits), never with parameters offloaded, never on GPUs or several hosts
+    (unmeasured there). ZEROSTACK_ZERO3_HOLD=0 turns it off; =1 turns it on wherever the
     model's size is known."""
     usual = 10 * hidden_size
     wanted = os.environ.get("ZEROSTACK_ZERO3_HOLD", "")
@@ -303,8 +305,7 @@ def persistence_threshold(
     offloaded = str(zero.get("offload_param", {}).get("device", "none")).lower() != "none"
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     fits = (4 if precision(cfg) == "fp32" else 2) * params * local < free / 4
-    accumulates = int(cfg.get("gradient_accumulation_steps", 1)) > 1
-    if device_type == "cpu" and local == world and accumulates and not offloaded and fits:
+    if device_type == "cpu" and local == world and not offloaded and fits:
         return max(usual, params)
     return usual
 
