@@ -14,7 +14,8 @@ def test_shm_collectives_match_gloo_and_leave_nothing_behind():
     """2 real ranks: float32/bf16/fp16 sums over the kernel's chunk edges equal the exact sum
     (to the dtype's rounding), all-gathers are exact (also with the input inside the output,
     as ZeRO-3 passes it) and reduce-scatters sum (also into a chunk of their input, as ZeRO-3
-    passes it), async calls included, without touching gloo; MAX, int64, non-contiguous and
+    passes it), async calls included, without touching gloo; ZeRO-3's coalesced gradient
+    average is DeepSpeed's to the bit; MAX, int64, non-contiguous and
     sub-group calls still go to gloo and are right; no /dev/shm segment of the run remains."""
     if not shm_has_room():
         pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
@@ -26,6 +27,7 @@ def test_shm_collectives_match_gloo_and_leave_nothing_behind():
     assert out["gloo_calls_fallback"] == 4  # MAX, non-contiguous, int64, sub-group
     assert out["gathers"] and all(out["gathers"].values()), out["gathers"]
     assert out["fsdp"] and all(out["fsdp"].values()), out["fsdp"]  # FSDP2's, bitwise gloo's
+    assert len(out["coalesced"]) == 4 and all(out["coalesced"].values()), out["coalesced"]
     assert out["max"] == [2.0] * 5
     assert out["noncontiguous"] == 3 * 45.0
     assert out["int64"] == [3, 3, 3]
@@ -43,3 +45,4 @@ def test_shm_collectives_can_be_turned_off():
     assert out["fsdp"] is None  # FSDP2 keeps its own collectives
     assert out["gloo_calls_routed"] == 12 + 1 + 12 + 12  # sums, async sum, gathers, scatters
     assert all(out["gathers"].values())
+    assert len(out["coalesced"]) == 4 and all(out["coalesced"].values())  # DeepSpeed's own

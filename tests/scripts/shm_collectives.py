@@ -118,6 +118,34 @@ if rank == 0:
     ds.all_reduce(v, group=sub)
     out["subgroup"] = v.tolist()
 out["gloo_calls_fallback"] = gloo_calls[0] - out["gloo_calls_routed"]
+# ZeRO-3's gradient average (what it calls, the route's when on): this rank's chunk of each
+# tensor's mean, bitwise DeepSpeed's way on gloo (each rank's tensor divided, then summed), for
+# a bucket's gradients side by side in one buffer (in reverse, as ZeRO-3 sorts them) and for
+# tensors apart. Odd sizes: the last rank's chunk is shorter.
+import deepspeed.runtime.zero.stage3 as stage3  # noqa: E402
+
+out["coalesced"] = {}
+for dtype in (torch.float32, torch.bfloat16):
+    sizes = (1001, 7, 262_145, 3)
+    for side_by_side in (True, False):
+        g = torch.Generator().manual_seed(len(sizes) + rank)
+        mine = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+        want = []
+        for t in mine:
+            summed = t / world
+            gloo_all_reduce(summed)  # gloo, uncounted
+            chunk = -(-t.numel() // world)
+            want.append(summed[rank * chunk : (rank + 1) * chunk])
+        if side_by_side:
+            buffer = torch.cat(mine[::-1])
+            views, at = [], buffer.numel()
+            for t in mine:
+                at -= t.numel()
+                views.append(buffer.narrow(0, at, t.numel()))
+            mine = views
+        got = stage3.reduce_scatter_coalesced(mine, dist.group.WORLD)
+        key = f"{dtype}/{'side by side' if side_by_side else 'apart'}"
+        out["coalesced"][key] = all(torch.equal(a, b) for a, b in zip(got, want))
 out["errors"] = errors
 dist.barrier()
 if rank == 0:

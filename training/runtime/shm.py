@@ -5,7 +5,8 @@ training collectives still go to gloo, which moves every byte through loopback T
 is 2-3x faster per gradient bucket (docs/benchmarks.md). `shared_memory_collectives` routes
 DeepSpeed's all-reduces, all-gathers and reduce-scatters (the last two as sums) through it, and
 makes sure DeepSpeed's /dev/shm segments never outlive the run and are whole before anything is
-routed; `fsdp_comms` hands FSDP2 the same all-gather and reduce-scatter.
+routed; ZeRO-3's gradient average (its own coalesced reduce-scatter) is summed in place through
+it; `fsdp_comms` hands FSDP2 the same all-gather and reduce-scatter.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ def shared_memory_collectives() -> bool:
 
     The kernel only sums, in place, so: an all-reduce is the kernel; an all-gather is a sum
     into zeros (ZeRO-1/2's parameter gathers after the step, ZeRO-3's before each block); a
-    reduce-scatter is a sum of the whole buffer of which this rank keeps its chunk (ZeRO-3's
-    gradients). Two ranks get gloo's bits (tested). Async calls are done before they return
+    reduce-scatter is a sum of the whole buffer of which this rank keeps its chunk; ZeRO-3's
+    gradient average (`reduce_scatter_coalesced`, which DeepSpeed's stage 3 calls by name) sums
+    a bucket where it lies and divides only this rank's chunks. Two ranks get gloo's bits
+    (tested). Async calls are done before they return
     (gloo's thread would compete for the same cores). A sub-group, another op or dtype, a
     non-contiguous tensor still go to gloo. The kernel has no timeout, so the wait is marked
     for the liveness watchdog, which names a peer that died in it. Call it before
@@ -67,6 +70,10 @@ def shared_memory_collectives() -> bool:
     cdb.all_gather_into_tensor = route.all_gather_into_tensor
     cdb.reduce_scatter_tensor = route.reduce_scatter_tensor
     cdb.zerostack_shm, cdb.zerostack_route = True, route
+    # ZeRO-3 averages its gradient buckets through a function of its own, not the comm layer's
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    stage3.reduce_scatter_coalesced = route.reduce_scatter_coalesced
     return True
 
 
@@ -111,6 +118,9 @@ class _Route:
         self.cdb, self.world, self.rank, self.level = cdb, world, rank, level
         self.gloo = cdb.all_reduce, cdb.all_gather_into_tensor, cdb.reduce_scatter_tensor
         self.kernel = torch.ops.deepspeed.inference_all_reduce_
+        from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+
+        self.coalesced = reduce_scatter_coalesced  # DeepSpeed's own, for what the kernel can't take
 
     def routable(self, tensor, op=dist.ReduceOp.SUM, group=None) -> bool:
         return (
@@ -172,6 +182,52 @@ class _Route:
             output_tensor.view(-1).copy_(whole.view(-1)[lo:hi])
             return _DONE if async_op else None
         return self.gloo[2](output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    def reduce_scatter_coalesced(self, tensors, group=None):
+        """ZeRO-3's gradient average, DeepSpeed's `reduce_scatter_coalesced`: this rank's chunk
+        of each tensor's mean over the ranks. DeepSpeed copies the ranks' chunks of every
+        tensor into a new interleaved buffer, divides all of it by the world and
+        reduce-scatters that; the kernel sums whole buffers anyway, so here the gradients are
+        summed where they lie (ZeRO-3 keeps a bucket's gradients side by side in one buffer)
+        and only this rank's chunks are divided: no copy, a world-th of the division. On a
+        world that is a power of two, DeepSpeed's bits (tested)."""
+        if not tensors or not all(self.routable(t, group=group) for t in tensors):
+            return self.coalesced(tensors, group)
+        region = _one_region(tensors)
+        if region is not None:
+            self.reduce(region, False)
+            flats = [t.view(-1) for t in tensors]  # summed in place
+        else:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self.reduce(flat, False)
+            flats = flat.split([t.numel() for t in tensors])
+        out = []
+        for f in flats:
+            n = f.numel()
+            chunk = -(-n // self.world)  # DeepSpeed's split: ceil, the last rank's shorter
+            lo, hi = min(self.rank * chunk, n), min((self.rank + 1) * chunk, n)
+            out.append(f.narrow(0, lo, hi - lo).div_(self.world))
+        return out
+
+
+def _one_region(tensors) -> torch.Tensor | None:
+    """A flat view over the memory `tensors` tile without gaps or overlaps (in any order) in
+    one storage, else None."""
+    first = tensors[0]
+    storage, size = first.untyped_storage().data_ptr(), first.element_size()
+    if not all(
+        t.is_contiguous() and t.dtype == first.dtype and t.untyped_storage().data_ptr() == storage
+        for t in tensors
+    ):
+        return None
+    ordered = sorted(tensors, key=lambda t: t.data_ptr())
+    at = ordered[0].data_ptr()
+    for t in ordered:
+        if t.data_ptr() != at:
+            return None
+        at += t.numel() * size
+    low = ordered[0]
+    return low.as_strided((sum(t.numel() for t in tensors),), (1,), low.storage_offset())
 
 
 class _Done:
