@@ -90,8 +90,17 @@ def test_engines_follow_the_same_trajectory(runs):
     states = {n: read_metrics(runs[n], "state_bytes") for n in ("ddp", "fsdp")}
     assert [len(s) for s in states.values()] == [1, 1]
     ddp, fsdp = states["ddp"][0], states["fsdp"][0]
-    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
-        assert abs(fsdp[key] / ddp[key] - 0.5) < 0.02, (key, ddp, fsdp)
+    # ... but while it holds weights and gradients across micro-steps (one CPU host): whole
+    # fp32 gradients, and the gathered bf16 weights (2N bytes, which the count reaches through
+    # FSDP2's state and files under optimizer)
+    held = json.loads((runs["fsdp"] / "resolved_config.json").read_text())
+    held = held["held_across_micro_steps"]
+    want = {k: ddp[k] / 2 for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
+    if held:
+        want["grads_bytes"] = ddp["grads_bytes"]
+        want["optimizer_bytes"] += ddp["params_bytes"] / 2
+    for key, value in want.items():
+        assert abs(fsdp[key] / value - 1) < 0.02, (key, held, ddp, fsdp)
 
 
 @pytest.mark.slow
@@ -192,7 +201,15 @@ def test_model_state_bytes_fall_as_theory_says(tiny_data, tmp_path):
     n = num_params(ZeroStackConfig(**cfg))
     assert n > 18e6
     out = tmp_path / "bytes.json"
-    launch([str(tiny_data), str(model), str(out), *ENGINES], script="tests/scripts/state_bytes.py")
+    # ZeRO's and FSDP's theory: without the holds one CPU host gets by default (whole weights
+    # for ZeRO-3, whole gradients for FSDP2 across micro-steps; counted in tests/test_train.py
+    # and tests/test_mfu.py)
+    holds_off = {"ZEROSTACK_ZERO3_HOLD": "0", "ZEROSTACK_FSDP_HOLD": "0"}
+    launch(
+        [str(tiny_data), str(model), str(out), *ENGINES],
+        script="tests/scripts/state_bytes.py",
+        env=holds_off,
+    )
     got = {
         name: max(ranks, key=lambda r: r["total"])
         for name, ranks in json.loads(out.read_text()).items()

@@ -27,6 +27,7 @@ pytestmark = [
 
 FLAGS = [
     *TINY_RUN,
+    "--no-compile",  # the two hosts' ranks do not inherit the suite's ZEROSTACK_COMPILE=0
     "--steps",
     "4",
     "--peak-tflops",

@@ -203,11 +203,14 @@ def test_the_watchdog_names_a_rank_frozen_before_a_shared_memory_all_reduce(tmp_
 
 # ------------------------------------------------------------------------------ preemption
 @pytest.mark.slow
-def test_sigterm_to_a_rank_then_to_the_launcher_saves_and_resumes_exactly(
-    tiny_data, reference, tmp_path
-):
+def test_sigterm_to_a_rank_then_to_the_launcher_saves_and_resumes_exactly(tiny_data, tmp_path):
+    # A tiny step takes ~15 ms: a longer run than the shared reference's leaves room for the
+    # second signal to land before the run ends.
+    steps = 3 * STEPS
+    reference = tmp_path / "reference"
+    launch(args(tiny_data, reference, steps=steps))
     out = tmp_path / "preempted"
-    run = args(tiny_data, out, "--save-every", "100")
+    run = args(tiny_data, out, "--save-every", "100", steps=steps)
 
     job = Job.torchrun(run)  # 1: SIGTERM to rank 1 only; rank 0 must stop at the same step
     job.wait_for(r"train step 2 ")
@@ -215,7 +218,7 @@ def test_sigterm_to_a_rank_then_to_the_launcher_saves_and_resumes_exactly(
     m = job.wait_for(r"stopped by SIGTERM \(received by rank 1\) after step (\d+)")
     job.finish()
     first = int(m.group(1))
-    assert 2 <= first < STEPS
+    assert 2 <= first < steps
     assert rank_exit_codes(job.output) == [75, 75]
     assert (out / "checkpoints" / "latest").read_text() == f"step_{first:08d}"
 
@@ -226,15 +229,15 @@ def test_sigterm_to_a_rank_then_to_the_launcher_saves_and_resumes_exactly(
     m = job.wait_for(r"stopped by SIGTERM \(received by rank \d\) after step (\d+)")
     job.finish()
     second = int(m.group(1))
-    assert first < second < STEPS
+    assert first < second < steps
     assert (out / "checkpoints" / "latest").read_text() == f"step_{second:08d}"
 
     r = launch(run)  # 3: the rest
     assert f"resumed from step_{second:08d}" in r.stdout + r.stderr
     got, want = read_metrics(out), read_metrics(reference)
-    assert sorted({x["step"] for x in got}) == list(range(1, STEPS + 1))
+    assert sorted({x["step"] for x in got}) == list(range(1, steps + 1))
     final = {x["step"]: x["loss"] for x in got}  # the last record of each step wins
-    assert [final[s] for s in range(1, STEPS + 1)] == [x["loss"] for x in want]
+    assert [final[s] for s in range(1, steps + 1)] == [x["loss"] for x in want]
 
 
 def test_stop_signals_in_one_process():
