@@ -41,6 +41,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from models import transformer_blocks
 from training.engines.native import NativeEngine
+from training.runtime.distributed import one_host_holds
 from training.runtime.shm import fsdp_comms
 
 DCP_DIR = "dcp"  # the sharded checkpoint inside a step folder
@@ -162,10 +163,8 @@ def hold_between_micro_steps(
     if os.environ.get("ZEROSTACK_FSDP_HOLD") == "0":
         return False
     world = dist.get_world_size() if dist.is_initialized() else 1
-    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    fits = 6 * n_params * world < free / 4
-    return device.type == "cpu" and grad_accum > 1 and one_host and not cpu_offload and fits
+    fits = one_host_holds(6 * n_params, world)
+    return device.type == "cpu" and grad_accum > 1 and not cpu_offload and fits
 
 
 def _held_grads(model) -> list[torch.Tensor]:

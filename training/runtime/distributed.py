@@ -169,3 +169,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def one_host_holds(bytes_per_rank: int, world: int) -> bool:
+    """Whether every rank of the world is on this host and all of them together can hold
+    `bytes_per_rank` more within a quarter of its free memory: the gate of the one-host holds
+    (ZeRO-3's whole weights, FSDP2's weights and gradients across micro-steps)."""
+    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return one_host and bytes_per_rank * world < free / 4

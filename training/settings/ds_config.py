@@ -301,11 +301,11 @@ def persistence_threshold(
         return usual
     if wanted == "1":
         return max(usual, params)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    from training.runtime.distributed import one_host_holds
+
     offloaded = str(zero.get("offload_param", {}).get("device", "none")).lower() != "none"
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    fits = (4 if precision(cfg) == "fp32" else 2) * params * local < free / 4
-    if device_type == "cpu" and local == world and not offloaded and fits:
+    fits = one_host_holds((4 if precision(cfg) == "fp32" else 2) * params, world)
+    if device_type == "cpu" and not offloaded and fits:
         return max(usual, params)
     return usual
 
