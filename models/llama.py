@@ -19,7 +19,9 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from models import cpu_attention
 from models.config import ZeroStackConfig
+from models.errors import ModelError
 
 IGNORE_INDEX = -100
 
@@ -100,7 +102,8 @@ def init_weights(module: nn.Module, std: float) -> None:
         init.ones_(module.weight)
 
 
-ATTENTION_KERNELS = ("sdpa", "explicit")
+ATTENTION_KERNELS = ("sdpa", "explicit", "flash")
+EXPLICIT_UP_TO = 512  # without "flash", "auto" picks the explicit kernel on CPUs up to here
 
 
 def explicit_attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
@@ -167,6 +170,8 @@ class Attention(nn.Module):
         when the causal flag cannot express it (padding, chunked prefill, documents)."""
         if self.kernel == "explicit":
             return explicit_attention(q, k, v, mask)
+        if self.kernel == "flash" and mask is None and cpu_attention.fits(q, k):
+            return cpu_attention.causal_attention(q, k, v)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -177,13 +182,26 @@ class Attention(nn.Module):
         )
 
 
-def pick_attention_kernel(choice: str, device_type: str, seq_len: int) -> str:
-    """`choice`, with "auto" made concrete: the explicit kernel where it was measured faster
-    (CPUs, sequences up to 512; docs/benchmarks.md), SDPA everywhere else (GPUs have fused
-    kernels)."""
+def pick_attention_kernel(choice: str, device_type: str, seq_len: int, masked: bool = False) -> str:
+    """`choice`, with "auto" made concrete where each was measured faster (docs/benchmarks.md,
+    docs/bench_attention.md): on a CPU, SDPA's forward with our backward ("flash") where the
+    host runs it and the sequence divides into its blocks, else the explicit kernel up to
+    sequence 512 and SDPA beyond; GPUs keep SDPA's fused kernels. `masked`: attention under a
+    mask beyond causality (document masking), which "flash" does not take. "flash" asked for on
+    a host that cannot run it is a ModelError that says why."""
+    if choice == "flash" and (why := cpu_attention.available()) is not None:
+        raise ModelError(f"--attention flash: not on this host: {why}")
     if choice != "auto":
         return choice
-    return "explicit" if device_type == "cpu" and seq_len <= 512 else "sdpa"
+    if device_type != "cpu":
+        return "sdpa"
+    if (
+        not masked
+        and seq_len % cpu_attention.SMALL_BLOCK == 0
+        and cpu_attention.available() is None
+    ):
+        return "flash"
+    return "explicit" if seq_len <= EXPLICIT_UP_TO else "sdpa"
 
 
 def set_attention_kernel(model: nn.Module, kernel: str) -> int:

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from data import load_data
 from data.manifest import MANIFEST, Manifest
-from models import PRESETS, ModelError, get_config
+from models import PRESETS, ModelError, cpu_attention, get_config
 from models.hub import resolve_pretrained
 from training.checkpoints import safe_load
 from training.checkpoints.resume import ResumePlan, plan_resume
@@ -399,11 +399,18 @@ def check_model(settings: Settings, model_cfg, manifest, stages: int, cfg_path: 
     model (a preset, our folder or a Llama folder) between its blocks."""
     kind = getattr(model_cfg, "model_type", "?")
     ours = kind in ("zerostack", "llama")
-    if settings.attention == "explicit" and not ours:
+    if settings.attention in ("explicit", "flash") and not ours:
         raise ConfigError(
-            f"--attention explicit: {settings.model} is a {kind} model; the explicit kernel is our "
-            "model's (presets, our exports, Llama folders). Drop the flag"
+            f"--attention {settings.attention}: {settings.model} is a {kind} model; that kernel "
+            "is our model's (presets, our exports, Llama folders). Drop the flag"
         )
+    if settings.attention == "flash" and settings.doc_mask:
+        raise ConfigError(
+            "--attention flash with --doc-mask: the flash kernel is causal only; drop one "
+            "(--attention auto picks a kernel that takes the documents' mask)"
+        )
+    if settings.attention == "flash" and (why := cpu_attention.available()) is not None:
+        raise ConfigError(f"--attention flash: not on this host: {why}. Use --attention sdpa")
     if settings.doc_mask and not ours:
         raise ConfigError(
             f"--doc-mask: {settings.model} is a {kind} model; document masking is our model's "

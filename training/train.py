@@ -171,7 +171,9 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         ds_config=started.ds_config,
         overrides=prepared.model_overrides,
     )
-    attention = pick_attention_kernel(settings.attention, dist.device.type, settings.seq_len)
+    attention = pick_attention_kernel(
+        settings.attention, dist.device.type, settings.seq_len, masked=settings.doc_mask
+    )
     set_attention_kernel(model, attention)  # the pipeline engine sets its own layers' kernel
     if settings.doc_mask:  # documents end at EOS in the prepared data (data/shards.py)
         set_document_mask(model, prepared.manifest.eos_id)

@@ -112,9 +112,12 @@ class Settings:
     )
     attention: str = flag(
         "auto",
-        "attention kernel of our model: SDPA, or softmax(QK^T)V written out (faster on CPUs at "
-        "short sequences); auto: explicit on a CPU up to --seq-len 512, else sdpa",
-        choices=["auto", "sdpa", "explicit"],
+        "attention kernel of our model: SDPA; softmax(QK^T)V written out (faster on CPUs at "
+        "short sequences); or flash: SDPA's forward with zerostack's CPU backward (built on first "
+        "use; needs a C++ compiler and AMX). auto, on a CPU: flash where the host runs it and "
+        "--seq-len is a multiple of 64, else explicit up to --seq-len 512, then sdpa; sdpa on "
+        "GPUs",
+        choices=["auto", "sdpa", "explicit", "flash"],
     )
     doc_mask: bool = flag(
         False,
