@@ -437,4 +437,4 @@ def test_explicit_attention_kernel_matches_sdpa(kv_heads):
     loss16 = {k: run(k, torch.bfloat16)[4].item() for k in ("sdpa", "explicit")}
     assert abs(loss16["sdpa"] - loss16["explicit"]) < 2e-2 * loss16["sdpa"], loss16
     with pytest.raises(ValueError, match="choose one of"):
-        set_attention_kernel(model, "flash")
+        set_attention_kernel(model, "ring")
