@@ -93,7 +93,7 @@ def run_config(name: str, a, out_root: Path) -> dict:
 
 def run_reference(a, threads: int, kernel: str) -> dict:
     """nanoGPT-style loop in a child process (its own thread count and RSS). kernel: our model's
-    attention kernel (sdpa is what such loops use; explicit is what the trainer picks on a CPU)."""
+    attention kernel (sdpa is what such loops use; the first row takes the trainer's pick)."""
     code = f"""
 import json, resource, sys, time, torch
 sys.path.insert(0, {str(REPO)!r})
@@ -163,7 +163,11 @@ def main() -> int:
         return 2
     # The first row is the yardstick: the same model and attention kernel as the trainer's runs,
     # so the ratio is DeepSpeed's own cost; the second is the loop as people write it (SDPA).
-    rows = [run_reference(a, os.cpu_count() or 1, k) for k in ("explicit", "sdpa")]
+    sys.path.insert(0, str(REPO))
+    from models import pick_attention_kernel
+
+    ours = pick_attention_kernel("auto", "cpu", a.seq_len)
+    rows = [run_reference(a, os.cpu_count() or 1, k) for k in (ours, "sdpa")]
     print(rows, flush=True)
     for name in a.configs.split(","):
         rows.append(run_config(name, a, Path(a.runs)))
