@@ -210,6 +210,9 @@ def set_attention_kernel(model: nn.Module, kernel: str) -> int:
         raise ValueError(
             f"attention kernel {kernel!r}: choose one of {', '.join(ATTENTION_KERNELS)}"
         )
+    # loads the C++ in this process (a process that never picked it has not)
+    if kernel == "flash" and (why := cpu_attention.available()) is not None:
+        raise ModelError(f"attention kernel 'flash': not on this host: {why}")
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for m in layers:
         m.kernel = kernel

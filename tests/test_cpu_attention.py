@@ -133,5 +133,31 @@ def test_auto_picks_flash_on_cpus_that_run_it(kernel, monkeypatch):
         assert pick_attention_kernel("auto", "cpu", 1024) == "sdpa"
         with pytest.raises(ModelError, match="ZEROSTACK_FLASH_CPU=0"):
             pick_attention_kernel("flash", "cpu", 1024)
+        with pytest.raises(ModelError, match="ZEROSTACK_FLASH_CPU=0"):
+            set_attention_kernel(_model(), "flash")
     finally:
         cpu_attention.available.cache_clear()
+
+
+def test_a_fresh_process_that_only_sets_the_kernel_trains(kernel):
+    """set_attention_kernel(model, "flash") loads the C++ op itself: a process that never asked
+    pick_attention_kernel (a benchmark's loop, a user's script) still runs the backward."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch\n"
+        "from models import build_model, set_attention_kernel\n"
+        "m = build_model('tiny', vocab_size=512)\n"
+        "set_attention_kernel(m, 'flash')\n"
+        "x = torch.randint(0, 512, (2, 128))\n"
+        "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "    loss = m(input_ids=x, labels=x, shift_labels=x).loss\n"
+        "loss.backward()\n"
+        "print('grad', m.layers[0].attention.wq.weight.grad.abs().sum().item() > 0)\n"
+    )
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().endswith("grad True"), p.stdout
