@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import ModelError, ZeroStackConfig, ZeroStackForCausalLM, compile_blocks, cpu_attention
+from models import ModelError, ZeroStackForCausalLM, compile_blocks, cpu_attention, get_config
 from models.llama import pick_attention_kernel, set_attention_kernel
 
 
@@ -56,17 +56,9 @@ def test_gradients_match_the_fp32_reference(kernel, b, h, kv, t, d):
         assert err < 1e-2 and err <= 1.5 * sdpa_err + 1e-3, (name, err, sdpa_err)
 
 
-def _model(kv_heads=2):
-    cfg = ZeroStackConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
+def _model():
+    # `tiny` with heads of 32 (grouped-query: 4 heads, 2 kv heads)
+    cfg = get_config("tiny", vocab_size=256, hidden_size=128, intermediate_size=256)
     torch.manual_seed(0)
     return ZeroStackForCausalLM(cfg).train()
 
