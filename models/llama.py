@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from models import cpu_attention
+import models.cpu_attention as cpu_attention
 from models.config import ZeroStackConfig
 from models.errors import ModelError
 
