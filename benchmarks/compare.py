@@ -29,19 +29,20 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 NATIVE = ["ddp", "fsdp"]
-# Rows that run an engine with one of the trainer's switches turned: name -> (engine, env).
+# Rows that run an engine with one of the trainer's switches turned (docs/settings.md):
+# name -> (engine, flags).
 VARIANTS = {
     # sharded across micro-steps: the hold that one CPU host gets with accumulation, off
-    "fsdp_shard": ("fsdp", {"ZEROSTACK_FSDP_HOLD": "0"}),
-    "zero3_shard": ("zero3", {"ZEROSTACK_ZERO3_HOLD": "0"}),
+    "fsdp_shard": ("fsdp", ["--hold-weights", "off"]),
+    "zero3_shard": ("zero3", ["--hold-weights", "off"]),
     # DeepSpeed dividing every reduce bucket by the world, not the trainer the loss
-    "zero2_mean": ("zero2", {"ZEROSTACK_GRAD_SUM": "0"}),
+    "zero2_mean": ("zero2", ["--grad-sum", "off"]),
     # the blocks left uncompiled (the trainer compiles them by default on a CPU)
-    "zero2_eager": ("zero2", {"ZEROSTACK_COMPILE": "0"}),
-    "zero3_eager": ("zero3", {"ZEROSTACK_COMPILE": "0"}),
-    "ddp_eager": ("ddp", {"ZEROSTACK_COMPILE": "0"}),
-    "zero3_gloo": ("zero3", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),  # every collective on gloo
-    "fsdp_gloo": ("fsdp", {"ZEROSTACK_SHM_ALLREDUCE": "0"}),
+    "zero2_eager": ("zero2", ["--no-compile"]),
+    "zero3_eager": ("zero3", ["--no-compile"]),
+    "ddp_eager": ("ddp", ["--no-compile"]),
+    "zero3_gloo": ("zero3", ["--shm-collectives", "off"]),  # every collective on gloo
+    "fsdp_gloo": ("fsdp", ["--shm-collectives", "off"]),
 }
 WARMUP_STEPS = 3  # steps left out of tokens/s (allocation, first-step setup, op caches)
 FLOORS = [  # (run, against, at least x)
@@ -168,12 +169,9 @@ def replicas(name: str, ranks: int) -> int:
 def run_engine(name: str, a, repeat: int = 0) -> dict:
     out = Path(a.runs) / (name if repeat == 0 else f"{name}.{repeat}")
     t = time.time()
-    # the defaults, not the caller's shell
-    switches = ("FSDP_HOLD", "ZERO3_HOLD", "GRAD_SUM", "COMPILE")
-    env = {f"ZEROSTACK_{k}": "" for k in switches}
-    env.update(VARIANTS.get(name, (name, {}))[1])
     flags = [*job_flags(a, replicas(name, a.ranks)), *engine_flags(name), "--out", str(out)]
-    p = _torchrun(a, "training/train.py", flags, env=env)
+    flags += VARIANTS.get(name, (name, []))[1]
+    p = _torchrun(a, "training/train.py", flags)
     if p.returncode != 0:
         err = [x for x in (p.stderr + p.stdout).splitlines() if x.startswith("error: ")]
         reason = err[0][len("error: ") :] if err else f"exit {p.returncode}"
@@ -394,7 +392,7 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "machine: `--repeats N` keeps the best of N."
         + (
             " The DeepSpeed and FSDP2 rows gather and reduce through DeepSpeed's shared-memory "
-            "kernel (every rank on one host; `ZEROSTACK_SHM_ALLREDUCE=0` sends them to gloo); "
+            "kernel (every rank on one host; `--shm-collectives off` sends them to gloo); "
             "DDP through gloo."
             if any(r.get("shm_collectives") for r in done)
             else ""
@@ -641,11 +639,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--engines",
         default=",".join(NATIVE + ds_config_names()),
-        help="comma-separated: ddp, fsdp, ds_configs names, and the variants fsdp_shard "
-        "(ZEROSTACK_FSDP_HOLD=0), zero3_shard (ZEROSTACK_ZERO3_HOLD=0), zero2_mean "
-        "(ZEROSTACK_GRAD_SUM=0), zero2_eager, zero3_eager and ddp_eager (ZEROSTACK_COMPILE=0), "
-        "zero3_gloo and "
-        "fsdp_gloo (ZEROSTACK_SHM_ALLREDUCE=0) (default: all but the variants)",
+        help="comma-separated: ddp, fsdp, ds_configs names, and the variants fsdp_shard and "
+        "zero3_shard (--hold-weights off), zero2_mean (--grad-sum off), zero2_eager, "
+        "zero3_eager and ddp_eager (--no-compile), zero3_gloo and fsdp_gloo "
+        "(--shm-collectives off) (default: all but the variants)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")
     p.add_argument(

@@ -12,12 +12,18 @@ our model and any transformers model: the block classes are the ones it lists in
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
 from torch import nn
 
 from models.blocks import transformer_blocks
+
+
+def cxx_compiler() -> str:
+    """The C++ compiler Inductor and our CPU kernels build with: $CXX, as both read it, else c++."""
+    return os.environ.get("CXX") or "c++"
 
 
 def compile_blocks(model: nn.Module) -> tuple[int, str]:

@@ -1,39 +1,39 @@
 """Causal attention for training on CPUs: SDPA's flash forward, and a backward of our own.
 
 PyTorch's CPU flash backward runs two of its five products per block (the recomputed scores
-and dP = dO V^T, fp32 outputs) outside oneDNN, so at sequence 1024 it takes ~5x its forward
-where its FLOPs are ~2.5x (docs/benchmarks.md). `kernels/attention_backward_cpu.cpp` runs all
+and dP = dO V^T, fp32 outputs) outside oneDNN, so it takes far longer than its FLOPs say
+(measured in docs/benchmarks.md). `kernels/attention_backward_cpu.cpp` runs all
 five through oneDNN's brgemm (AMX where the CPU has it), from the logsumexp the forward saved.
 
 The C++ is built on first use with the host's compiler into torch's extension cache (~10 s,
 once per machine; ranks wait on one build) and registered as `torch.ops.zerostack`, so
 compiled blocks call it as one opaque op. `available()` says whether this host can: a CPU
-with AMX (where it was measured) and a C++ compiler. ZEROSTACK_FLASH_CPU=0 turns it off.
+with AMX (where it was measured) and a C++ compiler. `--attention sdpa` or `explicit` keeps a
+run off it.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from models.compile import cxx_compiler
+
 SOURCE = Path(__file__).parent / "kernels" / "attention_backward_cpu.cpp"
-# Queries and keys a block: 128 (where the sequence divides into it) ran 2.5x SDPA's backward
-# at sequence 1024; 64-256 were within 15% of each other.
+# Queries and keys a block: 128 where the sequence divides into it, else 64 (the sizes measured
+# in docs/bench_attention.md).
 BLOCK, SMALL_BLOCK = 128, 64
 
 
 @functools.cache
 def available() -> str | None:
     """None if the kernel runs here, else why not (one line)."""
-    if os.environ.get("ZEROSTACK_FLASH_CPU") == "0":
-        return "ZEROSTACK_FLASH_CPU=0"
     if not _has_amx():
         return "this CPU has no AMX (the kernel was measured only with it)"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if shutil.which(cxx_compiler()) is None:
         return "no C++ compiler to build it"
     try:
         _load()

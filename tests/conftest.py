@@ -17,9 +17,16 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 # The suite's runs are a few steps of a tiny model, where compiling the blocks (the trainer's
-# default on a CPU) costs more than it saves: every launch inherits the default's off switch.
-# tests/test_compile.py runs the default itself.
-os.environ.setdefault("ZEROSTACK_COMPILE", "0")
+# default on a CPU) costs more than it saves: a training launch gets --no-compile unless it
+# says --compile or asks for the defaults a user gets (as_shipped=True; tests/test_compile.py).
+NO_COMPILE = "--no-compile"
+
+
+def train_args(args: list[str], script: str, as_shipped: bool = False) -> list[str]:
+    """`args` for a launch of `script`, with the suite's --no-compile where it trains."""
+    trains = script == "training/train.py" or script.endswith("_train.py")
+    said = {"--compile", NO_COMPILE} & set(args)
+    return args if as_shipped or not trains or said else [*args, NO_COMPILE]
 
 
 def free_port() -> int:
@@ -35,8 +42,10 @@ def launch(
     timeout: float = 600,
     script: str = "training/train.py",
     check: bool = True,
+    as_shipped: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run `script` under torchrun with `nproc` ranks (a real gloo group on CPU)."""
+    """Run `script` under torchrun with `nproc` ranks (a real gloo group on CPU). `as_shipped`:
+    the trainer's defaults as a user gets them (compiled blocks on a CPU included)."""
     cmd = [
         PY,
         "-m",
@@ -46,7 +55,7 @@ def launch(
         "--master_port",
         str(free_port()),
         script,
-        *args,
+        *train_args(args, script, as_shipped),
     ]
     marker = uuid.uuid4().hex  # finds this launch's ranks if it times out
     full_env = {
@@ -141,7 +150,7 @@ def tiny_data(tmp_path_factory) -> Path:
 # a metrics line every step, no evaluation until the end.
 TINY_RUN = [
     "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--log-every", "1",
-    "--eval-every", "0", "--eval-samples", "8", "--lr", "3e-3", "--warmup", "2",
+    "--eval-every", "0", "--eval-samples", "8", "--lr", "3e-3", "--warmup", "2", NO_COMPILE,
 ]  # fmt: skip
 
 UNIVERSAL_ARGS = [

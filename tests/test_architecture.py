@@ -274,3 +274,133 @@ def test_the_length_check_sees_a_long_function(tmp_path):
     name = tmp_path.name
     line, n = MAX_FUNCTION_LINES + 3, MAX_FUNCTION_LINES + 1
     assert long_functions(tmp_path) == [f"{name}/long.py:{line} too_long ({n} lines)"]
+
+
+# ------------------------------------------------------------------ behaviour comes from settings
+# Below training/preflight/ nothing reads the environment to choose what runs: every such
+# choice is a flag (training/settings/flags.py) resolved once in preflight (docs/settings.md).
+# What may be read is plumbing: where the launcher put this rank, and the settings of the
+# libraries and tools we drive, read as they themselves would.
+PLUMBING_VARS = {
+    # the launcher's layout of the ranks (torchrun, DeepSpeed's launcher, SLURM via them)
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "OMP_NUM_THREADS",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE",  # what accelerate launch hands over
+    # torch.load's own safety switches, set and restored around a load
+    "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",
+    # libraries' and tools' own settings, as they read them
+    "WANDB_DIR", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "HF_ENDPOINT", "XDG_CACHE_HOME",
+    "CXX",
+}  # fmt: skip
+# Reads whose key is computed, each for a reason: (module, why).
+COMPUTED_ENV_READS = {
+    "training.checkpoints.safe_load": "saves and restores torch's two weights-only switches",
+    "training.runtime.safe_load": "saves and restores torch's two weights-only switches",
+}
+
+
+def _is_entry_point(module: str) -> bool:
+    """train.py and its siblings directly in training/, and the preflight package."""
+    parts = module.split(".")
+    return parts[0] == "training" and (len(parts) == 2 or parts[1:2] == ["preflight"])
+
+
+def env_reads(tree: ast.AST) -> list[tuple[str, int]]:
+    """(variable, line) of every read or write of os.environ / os.getenv in `tree`, through
+    `env = os.environ` aliases too; a key that is not a literal or a module-level string constant
+    is "<computed>"."""
+    constants = {
+        t.id: node.value.value
+        for node in getattr(tree, "body", [])
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for t in node.targets
+        if isinstance(t, ast.Name) and isinstance(node.value.value, str)
+    }
+
+    def is_environ(node) -> bool:
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr == "environ"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+        )
+
+    aliases = {
+        t.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and is_environ(node.value)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+
+    def environ(node) -> bool:
+        return is_environ(node) or (isinstance(node, ast.Name) and node.id in aliases)
+
+    def key(node) -> str:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in constants:
+            return constants[node.id]
+        return "<computed>"
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and environ(node.value):
+            found.append((key(node.slice), node.lineno))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            f = node.func
+            on_environ = environ(f.value) and f.attr in ("get", "setdefault", "pop")
+            getenv = f.attr == "getenv" and isinstance(f.value, ast.Name) and f.value.id == "os"
+            if on_environ or getenv:
+                found.append((key(node.args[0]), node.lineno))
+        elif isinstance(node, ast.Compare) and any(environ(c) for c in node.comparators):
+            found.append((key(node.left), node.lineno))
+    return found
+
+
+def test_the_env_reader_sees_every_shape_of_read():
+    tree = ast.parse(
+        "import os\nNAME = 'B'\n"
+        "def f(k):\n    env = os.environ\n    env.get('A')\n    os.environ[NAME]\n"
+        "    os.getenv('C', '1')\n    return 'D' in env, os.environ.get(k)\n"
+    )
+    assert sorted(env_reads(tree)) == [("<computed>", 8), ("A", 5), ("B", 6), ("C", 7), ("D", 8)]
+
+
+def test_nothing_below_preflight_reads_the_environment_to_choose_behaviour():
+    """Every os.environ read outside train.py, its siblings and training/preflight/ is launcher
+    or library plumbing, and no code there names a ZEROSTACK_ variable."""
+    found = []
+    for module, path in find_modules(REPO, ("training", "models", "data")).items():
+        if _is_entry_point(module):
+            continue
+        text = path.read_text()
+        rel = path.relative_to(REPO)
+        found += [f"{rel}: names a ZEROSTACK_ variable" for _ in [0] if "ZEROSTACK_" in text]
+        for name, line in env_reads(ast.parse(text, filename=str(path))):
+            computed_ok = name == "<computed>" and module in COMPUTED_ENV_READS
+            if name not in PLUMBING_VARS and not computed_ok:
+                found.append(f"{rel}:{line}: reads ${name}")
+    assert not found, (
+        "behaviour read from the environment below preflight (make it a flag in "
+        "training/settings/flags.py, resolved in training/preflight/):\n" + "\n".join(found)
+    )
+
+
+def test_every_flag_is_in_the_settings_reference():
+    """docs/settings.md lists every flag of the trainer (the reference a user reads)."""
+    from dataclasses import fields
+
+    from training.settings.flags import Settings
+
+    text = (REPO / "docs" / "settings.md").read_text()
+    hidden = {f.name for f in fields(Settings) if f.metadata.get("hidden")}
+    missing = [
+        f.name
+        for f in fields(Settings)
+        if f.name not in hidden
+        and f"--{f.name.replace('_', '-')}" not in text
+        and not any(f"--{a.lstrip('-')}" in text for a in f.metadata.get("aliases", ()))
+    ]
+    assert not missing, f"flags missing from docs/settings.md: {missing}"

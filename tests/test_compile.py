@@ -1,5 +1,5 @@
 """Compiling each transformer block (models/compile.py): on by default on a CPU
-(training/preflight.py: compile_by_default), under real engines, ZeRO-3 included."""
+(training/preflight/switches.py: compile_by_default), under real engines, ZeRO-3 included."""
 
 from __future__ import annotations
 
@@ -25,18 +25,20 @@ def test_the_blocks_forward_is_what_gets_compiled():
     assert not any(getattr(b, "_compiled_call_impl", None) for b in model.layers)
 
 
-def test_compile_by_default_where_it_was_measured(monkeypatch):
-    monkeypatch.delenv("ZEROSTACK_COMPILE", raising=False)
+def test_compile_by_default_where_it_was_measured():
     load = lambda name: ds_config.load_json(f"ds_configs/{name}.json")  # noqa: E731
-    assert compile_by_default(load("zero2"), "cpu", activation_checkpointing=False)
-    assert compile_by_default(load("zero3"), "cpu", activation_checkpointing=False)
-    assert not compile_by_default(load("zero2"), "cuda", activation_checkpointing=False)
-    assert not compile_by_default(load("zero2"), "cpu", activation_checkpointing=True)
-    assert not compile_by_default(load("pipeline"), "cpu", activation_checkpointing=False)
-    assert not compile_by_default(load("zero3_offload"), "cpu", activation_checkpointing=False)
-    assert not compile_by_default(load("zero2"), "cpu", activation_checkpointing=False, ours=False)
-    monkeypatch.setenv("ZEROSTACK_COMPILE", "0")
-    assert not compile_by_default(load("zero2"), "cpu", activation_checkpointing=False)
+
+    def on(name, device="cpu", ckpt=False, ours=True):
+        value, why = compile_by_default(load(name), device, ckpt, ours=ours)
+        assert why.startswith("auto: "), why
+        return value
+
+    assert on("zero2") and on("zero3")
+    assert not on("zero2", "cuda")
+    assert not on("zero2", ckpt=True)
+    assert not on("pipeline")
+    assert not on("zero3_offload")
+    assert not on("zero2", ours=False)
 
 
 @pytest.mark.slow
@@ -49,19 +51,26 @@ def test_compiled_blocks_train_like_eager(tiny_data, tmp_path, engine):
     losses, logs = {}, {}
     for name, extra in (("eager", ["--no-compile"]), ("compiled", [])):
         out = tmp_path / name
-        args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "4"]
+        run = [a for a in TINY_RUN if a != "--no-compile"]  # the default, as a user gets it
+        args = ["--data", str(tiny_data), "--out", str(out), *run, "--steps", "4"]
         args += ["--grad-accum", "2"]
         args += (
             ["--backend", "fsdp"]
             if engine == "fsdp"
             else ["--ds_config", f"ds_configs/{engine}.json"]
         )
-        env = {"ZEROSTACK_COMPILE": "", "TORCH_LOGS": "recompiles"}
-        logs[name] = launch([*args, "--save-every", "-1", *extra], env=env)
+        env = {"TORCH_LOGS": "recompiles"}
+        logs[name] = launch([*args, "--save-every", "-1", *extra], env=env, as_shipped=True)
         losses[name] = [r["loss"] for r in read_metrics(out)]
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=2e-3)
     record = json.loads((tmp_path / "compiled" / "resolved_config.json").read_text())
     assert record["compiled"] == "2 x Block"
+    assert record["switches"]["compile"] == {
+        "on": True,
+        "why": "auto: our model on a CPU with a C++ compiler",
+    }
+    eager = json.loads((tmp_path / "eager" / "resolved_config.json").read_text())
+    assert eager["switches"]["compile"] == {"on": False, "why": "--no-compile"}
     assert json.loads((tmp_path / "eager" / "resolved_config.json").read_text())["compiled"] is None
     assert "torch.compile (2 x Block): the first step took" in logs["compiled"].stdout
     # at most the one recompile for evaluation's no-grad forward, per rank

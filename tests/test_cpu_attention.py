@@ -118,14 +118,20 @@ def test_auto_picks_flash_on_cpus_that_run_it(kernel, monkeypatch):
     assert pick_attention_kernel("auto", "cpu", 200) == "explicit"  # not in blocks of 64
     assert pick_attention_kernel("auto", "cuda", 1024) == "sdpa"
     assert pick_attention_kernel("auto", "cpu", 256, masked=True) == "explicit"  # --doc-mask
-    monkeypatch.setenv("ZEROSTACK_FLASH_CPU", "0")
+    assert pick_attention_kernel("explicit", "cpu", 256) == "explicit"  # a run keeps off it
+
+
+def test_auto_falls_back_on_a_host_without_amx(monkeypatch):
+    """Runs on every host: a CPU without AMX (simulated where the host has it) never gets the
+    flash kernel from auto, and asking for it says why in one line."""
+    monkeypatch.setattr(cpu_attention, "_has_amx", lambda: False)
     cpu_attention.available.cache_clear()
     try:
         assert pick_attention_kernel("auto", "cpu", 256) == "explicit"
         assert pick_attention_kernel("auto", "cpu", 1024) == "sdpa"
-        with pytest.raises(ModelError, match="ZEROSTACK_FLASH_CPU=0"):
+        with pytest.raises(ModelError, match="no AMX"):
             pick_attention_kernel("flash", "cpu", 1024)
-        with pytest.raises(ModelError, match="ZEROSTACK_FLASH_CPU=0"):
+        with pytest.raises(ModelError, match="no AMX"):
             set_attention_kernel(_model(), "flash")
     finally:
         cpu_attention.available.cache_clear()

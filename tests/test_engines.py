@@ -112,7 +112,7 @@ def test_fsdp_on_shared_memory_is_bitwise_fsdp_on_gloo(runs, tiny_data, init_mod
         pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
     out = tmp_path / "gloo"
     flags = [*engine_flags("fsdp"), "--save-every", "-1"]
-    launch(args(tiny_data, init_model, out, *flags), env={"ZEROSTACK_SHM_ALLREDUCE": "0"})
+    launch(args(tiny_data, init_model, out, *flags, "--shm-collectives", "off"))
     assert json.loads((out / "resolved_config.json").read_text())["shm_collectives"] is False
     on, off = read_metrics(runs["fsdp"]), read_metrics(out)
     assert [(r["loss"], r["grad_norm"]) for r in on] == [(r["loss"], r["grad_norm"]) for r in off]
@@ -201,15 +201,10 @@ def test_model_state_bytes_fall_as_theory_says(tiny_data, tmp_path):
     n = num_params(ZeroStackConfig(**cfg))
     assert n > 18e6
     out = tmp_path / "bytes.json"
-    # ZeRO's and FSDP's theory: without the holds one CPU host gets by default (whole weights
-    # for ZeRO-3, whole gradients for FSDP2 across micro-steps; counted in tests/test_train.py
-    # and tests/test_mfu.py)
-    holds_off = {"ZEROSTACK_ZERO3_HOLD": "0", "ZEROSTACK_FSDP_HOLD": "0"}
-    launch(
-        [str(tiny_data), str(model), str(out), *ENGINES],
-        script="tests/scripts/state_bytes.py",
-        env=holds_off,
-    )
+    # ZeRO's and FSDP's theory: the script builds its engines without the holds one CPU host
+    # gets by default (whole weights for ZeRO-3, whole gradients for FSDP2 across micro-steps;
+    # counted in tests/test_train.py and tests/test_mfu.py)
+    launch([str(tiny_data), str(model), str(out), *ENGINES], script="tests/scripts/state_bytes.py")
     got = {
         name: max(ranks, key=lambda r: r["total"])
         for name, ranks in json.loads(out.read_text()).items()

@@ -137,26 +137,26 @@ def _check_profile(folder: Path) -> None:
 @pytest.mark.slow
 def test_fsdp_hold_across_micro_steps_trains_alike(tiny_data, tmp_path):
     """The one-CPU-host speed lever of issue 17 (engines/fsdp.py, on by default there;
-    ZEROSTACK_FSDP_HOLD=0 turns it off): weights held gathered and whole gradients accumulated
+    --hold-weights off turns it off): weights held gathered and whole gradients accumulated
     across micro-steps, one all-gather and one reduce-scatter per block and step. Same losses
     and gradient norms as the sharded path, and the whole gradients it holds are counted in the
     model states. (Belongs with tests/test_engines.py.)"""
     runs = {}
-    for hold in ("0", ""):
-        out = tmp_path / f"hold{hold}"
+    for hold in ("off", "auto"):
+        out = tmp_path / f"hold_{hold}"
         args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "4"]
         args += ["--backend", "fsdp", "--grad-accum", "3", "--save-every", "-1"]
-        launch(args, env={"ZEROSTACK_FSDP_HOLD": hold, "OMP_NUM_THREADS": "1"})
+        launch([*args, "--hold-weights", hold], env={"OMP_NUM_THREADS": "1"})
         runs[hold] = out
-    sharded, held = (read_metrics(runs[h]) for h in ("0", ""))
+    sharded, held = (read_metrics(runs[h]) for h in ("off", "auto"))
     assert [r["loss"] for r in held] == pytest.approx([r["loss"] for r in sharded], rel=1e-6)
     assert [r["grad_norm"] for r in held] == pytest.approx(
         [r["grad_norm"] for r in sharded], rel=1e-5
     )
     flags = [
         json.loads((runs[k] / "resolved_config.json").read_text())["held_across_micro_steps"]
-        for k in ("0", "")
+        for k in ("off", "auto")
     ]
     assert flags == [False, True]
-    (s,), (h,) = (read_metrics(runs[k], "state_bytes") for k in ("0", ""))
+    (s,), (h,) = (read_metrics(runs[k], "state_bytes") for k in ("off", "auto"))
     assert h["grads_bytes"] == pytest.approx(2 * s["grads_bytes"], rel=0.02)  # whole, not halves

@@ -15,7 +15,6 @@ from conftest import PY, REPO, TINY_RUN, launch
 
 from training.errors import ConfigError
 from training.memory import oom
-from training.memory.plan import HOST_MEM_ENV
 from training.preflight import prepare_run
 from training.settings.flags import Settings
 
@@ -33,7 +32,7 @@ def test_a_run_the_plan_rejects_is_refused_naming_a_config_that_fits(
     --force pass."""
     argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "125M"]
     argv += ["--seq-len", "512", "--micro-batch", "1"]
-    monkeypatch.setenv(HOST_MEM_ENV, str(host_too_small_for_zero2(monkeypatch)))
+    argv += ["--host-mem-gib", str(host_too_small_for_zero2())]
     zero2 = [*argv, "--ds_config", "ds_configs/zero2.json"]
     with pytest.raises(ConfigError) as e:
         prepare_run(Settings.parse(zero2), world=2)
@@ -49,12 +48,11 @@ def test_a_run_the_plan_rejects_is_refused_naming_a_config_that_fits(
     fix = ["--ds_config", m.group(1), *(["--activation-checkpointing"] if m.group(2) else [])]
     prepare_run(Settings.parse([*argv, *fix]), world=2)
     prepare_run(Settings.parse([*zero2, "--force"]), world=2)
-    monkeypatch.setenv(HOST_MEM_ENV, "lots")
-    with pytest.raises(ConfigError, match=f"{HOST_MEM_ENV}='lots': give a number of GiB"):
-        prepare_run(Settings.parse(zero2), world=2)
+    with pytest.raises(ConfigError, match="--host-mem-gib must be a positive number of GiB"):
+        prepare_run(Settings.parse([*zero2, "--host-mem-gib", "0"]), world=2)
 
 
-def host_too_small_for_zero2(monkeypatch) -> float:
+def host_too_small_for_zero2() -> float:
     """A host size (GiB) at which the plan refuses 125M under ZeRO-2 but fits another config."""
     from models import get_config
     from training.memory import plan
@@ -62,9 +60,14 @@ def host_too_small_for_zero2(monkeypatch) -> float:
     shape = plan.shape_of_config(get_config("125M", vocab_size=512), "125M")
     cfg = plan.resolve_config(plan.CONFIG_DIR / "zero2.json", shape, 2, 1, "cpu")
     for tenths in range(10, 100):
-        monkeypatch.setenv(HOST_MEM_ENV, str(tenths / 10))
         v = plan.check_run(
-            shape, cfg, 2, config_name="zero2", seq_len=512, activation_checkpointing=False
+            shape,
+            cfg,
+            2,
+            config_name="zero2",
+            seq_len=512,
+            activation_checkpointing=False,
+            host_mem_gib=tenths / 10,
         )
         if not v.fits and v.cheapest is not None:
             return tenths / 10
@@ -76,17 +79,17 @@ def test_a_refused_launch_builds_nothing_and_force_trains(tiny_data, tmp_path):
     """2 real ranks told the host has 0.3 GiB: exit 2 with one line, before any model or run
     folder exists; the same launch with --force trains."""
     record = tmp_path / "exit.json"
-    env = {HOST_MEM_ENV: "0.3", "ZEROSTACK_EXIT_RECORD": str(record)}
-    env["ZEROSTACK_LAUNCH_ID"] = "refused"
+    env = {"ZEROSTACK_EXIT_RECORD": str(record), "ZEROSTACK_LAUNCH_ID": "refused"}
     out = tmp_path / "run"
-    p = launch(run_args(tiny_data, out), env=env, check=False)
+    small = ["--host-mem-gib", "0.3"]
+    p = launch(run_args(tiny_data, out, *small), env=env, check=False)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "the memory plan says this run does not fit" in errors[0], p.stderr
     assert "no shipped config fits 2 rank(s) here" in errors[0]
     assert json.loads(record.read_text())["code"] == 2
     assert not out.exists()  # refused before the run folder (and any model) was made
-    launch(run_args(tiny_data, out, "--force", steps=2), env=env)
+    launch(run_args(tiny_data, out, *small, "--force", steps=2), env=env)
     assert (out / "checkpoints" / "latest").is_file()
 
 

@@ -100,8 +100,8 @@ def test_zero3_tuned_for_one_cpu_host_is_bitwise_the_stock_path(config_runs, tin
         pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
     out = tmp_path / "gloo"
     args = ["--ds_config", "ds_configs/zero3.json", "--steps", "8", "--save-every", "-1"]
-    stock = {"ZEROSTACK_SHM_ALLREDUCE": "0", "ZEROSTACK_ZERO3_BLOCKS": "0"}
-    launch(train_args(tiny_data, out, *args), env=stock)
+    stock = ["--shm-collectives", "off", "--zero3-whole-blocks", "off"]
+    launch(train_args(tiny_data, out, *args, *stock))
     on = json.loads((config_runs["zero3"] / "resolved_config.json").read_text())
     off = json.loads((out / "resolved_config.json").read_text())
     assert (on["shm_collectives"], off["shm_collectives"]) == (True, False)
@@ -114,14 +114,11 @@ def test_zero3_tuned_for_one_cpu_host_is_bitwise_the_stock_path(config_runs, tin
 def test_zero3_holding_weights_across_micro_steps_is_bitwise_and_resumes(tiny_data, tmp_path):
     """On one CPU host ZeRO-3's "auto" persistence threshold covers the whole model
     (settings/ds_config.py: persistence_threshold): weights stay gathered, here across 2
-    micro-steps. Against ZEROSTACK_ZERO3_HOLD=0, the same steps to the bit, the whole 16-bit
+    micro-steps. Against --hold-weights off, the same steps to the bit, the whole 16-bit
     weights counted in the model states, and a checkpoint of the held run resumes exactly."""
     args = ["--ds_config", "ds_configs/zero3.json", "--grad-accum", "2", "--steps", "6"]
     sharded, held = tmp_path / "sharded", tmp_path / "held"
-    launch(
-        train_args(tiny_data, sharded, *args, "--save-every", "-1"),
-        env={"ZEROSTACK_ZERO3_HOLD": "0"},
-    )
+    launch(train_args(tiny_data, sharded, *args, "--save-every", "-1", "--hold-weights", "off"))
     launch(train_args(tiny_data, held, *args, "--stop-at", "3", "--save-every", "0"))
     launch(train_args(tiny_data, held, *args, "--save-every", "0"))  # resumes from step 3
     cfg = {
@@ -153,10 +150,10 @@ def test_zero2_summing_gradients_over_a_divided_loss_is_bitwise_deepspeeds_mean(
 ):
     """On a CPU, ZeRO-1/2 sum gradients across ranks ("gradient_allreduce_op": "sum") over a
     loss the trainer divides by the world, instead of DeepSpeed dividing every bucket
-    (engines/ds.py: sum_gradients). On 2 ranks: the same steps to the bit as DeepSpeed's mean."""
+    (--grad-sum, training/preflight/switches.py). On 2 ranks: the same steps to the bit as DeepSpeed's mean."""
     args = ["--ds_config", "ds_configs/zero2.json", "--grad-accum", "2", "--steps", "5"]
     runs = {k: tmp_path / k for k in ("mean", "sum")}
-    launch(train_args(tiny_data, runs["mean"], *args), env={"ZEROSTACK_GRAD_SUM": "0"})
+    launch(train_args(tiny_data, runs["mean"], *args, "--grad-sum", "off"))
     launch(train_args(tiny_data, runs["sum"], *args))
     cfg = {k: json.loads((run / "resolved_config.json").read_text()) for k, run in runs.items()}
     assert (cfg["sum"]["gradients_summed"], cfg["mean"]["gradients_summed"]) == (True, False)
@@ -315,14 +312,12 @@ def test_cpu_ranks_keep_freed_memory(mode):
         "usmblks fsmblks uordblks fordblks keepcost'.split()]\n"
         "mallinfo2 = ctypes.CDLL(None).mallinfo2\n"
         "mallinfo2.restype = Info\n"
-        "applied = keep_freed_memory()\n"
+        f"applied = keep_freed_memory() if {mode == 'keep'} else False\n"
         "before = mallinfo2().hblkhd\n"
         "x = torch.empty(CPU_BUCKET_BYTES, dtype=torch.uint8)\n"
         "print(applied, mallinfo2().hblkhd - before)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if mode == "default":
-        env["ZEROSTACK_MALLOC"] = "default"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # --cpu-malloc default: never called
     out = subprocess.run([PY, "-c", script], capture_output=True, text=True, env=env, check=True)
     applied, mmapped = out.stdout.split()
     if mode == "keep":

@@ -69,6 +69,8 @@ def run_record(
         },
         **({"accelerate": accelerate_state} if accelerate_state else {}),
         "backend": dist.backend,
+        # every behaviour switch as preflight resolved it, and why (training/preflight/switches.py)
+        "switches": prepared.switches.as_record(),
         "shm_collectives": shm,
         # ZeRO-3 gathers each transformer block whole (engines/ds.py: gather_blocks_whole)
         "zero3_blocks_whole": getattr(engine, "blocks_whole", False),

@@ -33,7 +33,12 @@ class Started:
 def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     """The process group; the resume plan verified by every rank (falling back past a corrupt
     checkpoint with --resume auto); DeepSpeed's comm layer; the universal copy, if needed."""
-    dist = distributed.setup(timeout_s=settings.dist_timeout, local_rank_arg=settings.local_rank)
+    switches = prepared.switches
+    dist = distributed.setup(
+        timeout_s=settings.dist_timeout,
+        local_rank_arg=settings.local_rank,
+        keep_freed=switches.keep_freed_memory,
+    )
     hold_run_folder(run_dir, dist)
     resume = prepared.resume
     if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
@@ -42,7 +47,9 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     accelerate = cluster.align_accelerate_state(dist.backend)
     # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
     # CPU host its collectives, and FSDP2's, then go through shared memory.
-    shm = settings.backend in ("deepspeed", "fsdp") and shared_memory_collectives()
+    shm = settings.backend in ("deepspeed", "fsdp") and shared_memory_collectives(
+        switches.shm_collectives
+    )
     cfg = prepared.ds_config
     if resume is not None and resume.universal:
         universal_copy(resume, dist)

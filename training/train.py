@@ -18,6 +18,8 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by the launchers: make the repo importable
@@ -31,7 +33,6 @@ from models import (  # noqa: E402
     ModelError,
     compile_blocks,
     flops_per_token,
-    pick_attention_kernel,
     set_attention_kernel,
     set_document_mask,
 )
@@ -55,6 +56,7 @@ from training.record import (  # noqa: E402
     write_record,
 )
 from training.runtime import distributed, signals  # noqa: E402
+from training.runtime.distributed import DistInfo  # noqa: E402
 from training.runtime.flops import ceiling_drift, model_shapes, run_ceiling  # noqa: E402
 from training.settings import nvme  # noqa: E402
 from training.settings.flags import Settings, parser  # noqa: E402
@@ -90,7 +92,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
         distributed.teardown()
         return 0
     torch.manual_seed(settings.seed)  # same initial weights on every rank, before the model exists
-    engine, attention, facts = build(settings, prepared, started)
+    engine, facts = build(settings, prepared, started)
     loader, val_ds = make_loaders(settings, prepared, engine)
     resume = started.resume
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
@@ -99,7 +101,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
     shapes = model_shapes(facts["model_config"], prepared.micro_batch * settings.seq_len)
     ceiling = run_ceiling(dist.device, dtype, shapes, settings.peak_tflops)
     record = run_record(
-        flags={**settings.as_flags(), **prepared.effective_flags, "attention": attention},
+        flags={**settings.as_flags(), **prepared.effective_flags, "attention": prepared.attention},
         prepared=prepared,
         facts=facts,
         engine=engine,
@@ -110,20 +112,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
         resume=resume,
         ceiling=ceiling,
     )
-    logger = RunLogger(
-        run_dir,
-        dist.is_main,
-        settings.steps,
-        state.step,
-        wandb=settings.wandb,
-        wandb_project=settings.wandb_project,
-        run_name=settings.run_name,
-        config=record,
-    )
-    if dist.is_main:
-        write_record(run_dir, record, prepared.manifest)
-        batch = (prepared.micro_batch, prepared.grad_accum, engine.dp_world, settings.seq_len)
-        logger.console(banner(record, batch) + resumed(resume))
+    logger = open_logger(settings, prepared, record, engine.dp_world, state.step, started)
     first = {"kind": "ceiling", "when": "start", "step": state.step, **ceiling.as_record()}
     logger.log({**first, "note": ceiling.describe(dtype)})
 
@@ -131,17 +120,19 @@ def train(settings: Settings, prepared: Prepared) -> int:
         return run_ceiling(dist.device, dtype, shapes).per_rank * dist.world
 
     last_eval = train_loop(
-        settings,
-        prepared,
-        engine,
-        loader,
-        val_ds,
-        state,
-        dist,
-        logger,
-        run_dir,
-        record,
-        reprobe if ceiling.measured else None,
+        Training(
+            settings=settings,
+            prepared=prepared,
+            engine=engine,
+            loader=loader,
+            val_ds=val_ds,
+            state=state,
+            dist=dist,
+            logger=logger,
+            run_dir=run_dir,
+            record=record,
+            reprobe=reprobe if ceiling.measured else None,
+        )
     )
     # Probe again: a host that changed speed during the run makes its MFU an interval.
     drift = None if signals.current().honored else ceiling_drift(ceiling, dist.device, dtype)
@@ -159,10 +150,31 @@ def train(settings: Settings, prepared: Prepared) -> int:
     return 0
 
 
-def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Engine, str, dict]:
-    """The model, built as its engine will hold it, wrapped in that engine. Returns the engine,
-    the attention kernel picked, and what the record keeps of the model (parameter count, FLOPs
-    per token, config)."""
+def open_logger(
+    settings: Settings, prepared: Prepared, record: dict, dp_world: int, step: int, started
+) -> RunLogger:
+    """Rank 0's logger (the others' log nothing), the run's record written, and the banner."""
+    run_dir, is_main = Path(settings.out), started.dist.is_main
+    logger = RunLogger(
+        run_dir,
+        is_main,
+        settings.steps,
+        step,
+        wandb=settings.wandb,
+        wandb_project=settings.wandb_project,
+        run_name=settings.run_name,
+        config=record,
+    )
+    if is_main:
+        write_record(run_dir, record, prepared.manifest)
+        batch = (prepared.micro_batch, prepared.grad_accum, dp_world, settings.seq_len)
+        logger.console(banner(record, batch) + resumed(started.resume))
+    return logger
+
+
+def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Engine, dict]:
+    """The model, built as its engine will hold it, wrapped in that engine. Returns the engine
+    and what the record keeps of the model (parameter count, FLOPs per token, config)."""
     dist = started.dist
     model = build_for_engine(
         settings.model,
@@ -170,10 +182,9 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         backend=settings.backend,
         ds_config=started.ds_config,
         overrides=prepared.model_overrides,
+        keep_freed=prepared.switches.keep_freed_memory,
     )
-    attention = pick_attention_kernel(
-        settings.attention, dist.device.type, settings.seq_len, masked=settings.doc_mask
-    )
+    attention = prepared.attention  # picked in preflight
     set_attention_kernel(model, attention)  # the pipeline engine sets its own layers' kernel
     if settings.doc_mask:  # documents end at EOS in the prepared data (data/shards.py)
         set_document_mask(model, prepared.manifest.eos_id)
@@ -201,12 +212,15 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         ddp_bucket_mb=settings.ddp_bucket_mb,
         fsdp_reshard_after_forward=settings.fsdp_reshard_after_forward,
         fsdp_cpu_offload=settings.fsdp_cpu_offload,
+        hold_weights=prepared.switches.hold_weights,
+        zero3_whole_blocks=prepared.switches.zero3_whole_blocks,
+        grad_sum=prepared.switches.grad_sum,
     )
     del model  # the pipeline engine keeps only its stage's layers: free the rest
     if started.resume is None and prepared.precision != "fp32" and settings.model not in PRESETS:
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
         engine.set_master_weights(folder_weights(resolve_pretrained(settings.model)))
-    return engine, attention, facts
+    return engine, facts
 
 
 def make_loaders(
@@ -221,21 +235,27 @@ def make_loaders(
     return loader, open_split(settings.data, "val", settings.seq_len)
 
 
-def train_loop(
-    settings: Settings,
-    prepared: Prepared,
-    engine,
-    loader,
-    val_ds,
-    state,
-    dist,
-    logger,
-    run_dir,
-    record,
-    reprobe,
-) -> dict:
-    """The loop, with its saver and evaluator; returns the last evaluation. `reprobe` measures
-    the matmul ceiling again (None when it was not measured)."""
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """What the loop runs with, once everything it needs is built."""
+
+    settings: Settings
+    prepared: Prepared
+    engine: Engine
+    loader: BatchLoader
+    val_ds: TokenDataset
+    state: LoopState
+    dist: DistInfo
+    logger: RunLogger
+    run_dir: Path
+    record: dict  # resolved_config.json's content
+    reprobe: Callable[[], float] | None  # the matmul ceiling again (None: it was not measured)
+
+
+def train_loop(t: Training) -> dict:
+    """The loop, with its saver and evaluator; returns the last evaluation."""
+    settings, prepared, engine, dist, run_dir = t.settings, t.prepared, t.engine, t.dist, t.run_dir
+    loader, logger, record = t.loader, t.logger, t.record
     micro, accum = prepared.micro_batch, prepared.grad_accum
     config = LoopConfig(
         schedule=prepared.schedule,
@@ -247,7 +267,7 @@ def train_loop(
         stop_at=settings.stop_at,
         max_bad_steps=settings.max_bad_steps,
         flops_per_token=record["flops_per_token"],
-        ceiling=LiveCeiling(record["peak_flops_per_rank"] * dist.world, reprobe, dist.world),
+        ceiling=LiveCeiling(record["peak_flops_per_rank"] * dist.world, t.reprobe, dist.world),
         compiled=record["compiled"],
         profiler=StepProfiler(
             parse_span(settings.profile), run_dir / "profile", dist.is_main, dist.device.type
@@ -267,7 +287,7 @@ def train_loop(
     )
     evaluator = Evaluator(
         engine,
-        val_ds,
+        t.val_ds,
         micro_batch=micro,
         max_samples=settings.eval_samples,
         device=dist.device,
@@ -276,7 +296,7 @@ def train_loop(
     return run(
         engine,
         loader,
-        state,
+        t.state,
         config,
         device=dist.device,
         logger=logger,

@@ -17,7 +17,7 @@ import torch.distributed as dist  # noqa: E402
 from training.runtime import distributed, shm  # noqa: E402
 
 info = distributed.setup(timeout_s=60)
-routed = shm.shared_memory_collectives()
+routed = shm.shared_memory_collectives(wanted=sys.argv[1:] != ["off"])  # --shm-collectives
 ds.init_distributed(dist_backend=info.backend)  # a no-op when the route did it
 rank, world = info.rank, info.world
 gloo_calls = [0]

@@ -35,11 +35,16 @@ def build_engine(
     ddp_bucket_mb: float | None = None,
     fsdp_reshard_after_forward: bool = True,
     fsdp_cpu_offload: bool = False,
+    hold_weights: bool = False,
+    zero3_whole_blocks: bool = False,
+    grad_sum: bool = False,
 ) -> Engine:
     """backend: 'deepspeed' (the pipeline engine when ds_config has pipeline.stages > 1), 'ddp'
     or 'fsdp'. DeepSpeed reads precision, batch and clipping from ds_config; the native engines
     take precision as given and read accumulation and clipping from the same keys DeepSpeed
-    would. Each engine gets its own switches only."""
+    would. Each engine gets its own switches only (resolved by training/preflight/switches.py):
+    ZeRO-3 `zero3_whole_blocks`, ZeRO-1/2 `grad_sum`, FSDP2 `hold_weights` (ZeRO-3's hold is in
+    its config's persistence threshold)."""
     if backend == "deepspeed":
         if pipeline_stages(ds_config) > 1:
             return PipelineEngine(
@@ -49,7 +54,14 @@ def build_engine(
                 device=device,
                 attention=attention,
             )
-        return DeepSpeedEngine(model=model, ds_config=ds_config, optimizer=optimizer, device=device)
+        return DeepSpeedEngine(
+            model=model,
+            ds_config=ds_config,
+            optimizer=optimizer,
+            device=device,
+            whole_blocks=zero3_whole_blocks,
+            grad_sum=grad_sum,
+        )
     native = {
         "model": model,
         "optimizer": optimizer,
@@ -62,7 +74,10 @@ def build_engine(
         return DDPEngine(**native, bucket_mb=ddp_bucket_mb)
     if backend == "fsdp":
         return FSDPEngine(
-            **native, reshard_after_forward=fsdp_reshard_after_forward, cpu_offload=fsdp_cpu_offload
+            **native,
+            reshard_after_forward=fsdp_reshard_after_forward,
+            cpu_offload=fsdp_cpu_offload,
+            hold=hold_weights,
         )
     raise ValueError(f"unknown backend {backend!r}; choose deepspeed, ddp or fsdp")
 

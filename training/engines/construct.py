@@ -27,14 +27,23 @@ class ZeRO3Partitioned:
 
 
 def build_for_engine(
-    spec: str, *, vocab_size: int | None, backend: str, ds_config: dict, overrides=None
+    spec: str,
+    *,
+    vocab_size: int | None,
+    backend: str,
+    ds_config: dict,
+    overrides=None,
+    keep_freed: bool = True,
 ):
     """The model named by spec (a preset or a folder), built for `backend` with `ds_config`:
-    partitioned from the start under DeepSpeed ZeRO-3, whole otherwise."""
+    partitioned from the start under DeepSpeed ZeRO-3, whole otherwise. `keep_freed`: the
+    heap's setting for the training steps after a ZeRO-3 build (memory/heap.py)."""
     if backend != "deepspeed" or zero_stage(ds_config) != 3:
         return build_model(spec, vocab_size=vocab_size, overrides=overrides)
     partitioned = ZeRO3Partitioned(ds_config)
-    with freed_blocks_returned():  # the freed whole modules must not stay on the heap
+    with freed_blocks_returned(
+        kept=keep_freed
+    ):  # the freed whole modules must not stay on the heap
         model = build_model(
             spec, vocab_size=vocab_size, overrides=overrides, partitioned=partitioned
         )

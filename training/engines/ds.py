@@ -5,7 +5,6 @@ config."""
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import deepspeed
@@ -25,54 +24,36 @@ from training.settings import parallel
 from training.settings.ds_config import zero_stage
 
 
-def gather_blocks_whole(model, ds_config: dict, device: torch.device) -> bool:
-    """Under ZeRO-3 on a CPU, make each transformer block (the classes the model lists in
-    `_no_split_modules`) one unit for DeepSpeed: gathered and released whole, with one pair of
-    hooks instead of one per linear layer and norm (`deepspeed.utils.set_z3_leaf_modules`).
-    On the accumulation job ZeRO-3 went from 0.73x to 0.88x ZeRO-2 (median of 5 rounds,
-    docs/benchmarks.md), the losses bit for bit the same: the per-module hooks were the cost.
-    Not with parameters on NVMe (a block at once needs more swap buffers than the config
-    gives), and not on GPUs, where it is unmeasured. ZEROSTACK_ZERO3_BLOCKS=0 turns it off,
-    =1 on anywhere. Returns whether it is on."""
-    zero = ds_config.get("zero_optimization", {})
-    wanted = os.environ.get("ZEROSTACK_ZERO3_BLOCKS", "")
-    nvme = zero.get("offload_param", {}).get("device") == "nvme"
-    if (
-        zero.get("stage") != 3
-        or wanted == "0"
-        or (wanted != "1" and (nvme or device.type != "cpu"))
-    ):
-        return False
+def gather_blocks_whole(model) -> bool:
+    """Make each transformer block (the classes the model lists in `_no_split_modules`) one unit
+    for ZeRO-3: gathered and released whole, with one pair of hooks instead of one per linear
+    layer and norm (`deepspeed.utils.set_z3_leaf_modules`); the losses are bit for bit the
+    same. Where it is on is --zero3-whole-blocks (training/preflight/switches.py). Returns
+    whether the model has such blocks."""
     classes = list({type(m) for m in transformer_blocks(model)})
     if classes:
         set_z3_leaf_modules(model, classes)
     return bool(classes)
 
 
-def sum_gradients(ds_config: dict, device: torch.device, tp: int, sp: int) -> bool:
-    """Whether ZeRO-1/2 should sum gradients across ranks ("gradient_allreduce_op": "sum", a
-    DeepSpeed setting) while the trainer divides the loss by the data-parallel world, rather
-    than DeepSpeed dividing each reduce bucket by it. The same gradients (to the bit for a
-    world that is a power of two); on a CPU the division was a pass over every bucket, 5% of a
-    ZeRO-2 step on the accumulation job (docs/benchmarks.md). Only on a CPU (measured), ZeRO
-    stage 1 or 2 without tensor or sequence parallelism, not fp16 (its loss scale), and not
-    when the config names its own gradient_allreduce_op; ZEROSTACK_GRAD_SUM=0 turns it off."""
-    zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    fp16 = bool(ds_config.get("fp16", {}).get("enabled", False))
-    return (
-        device.type == "cpu"
-        and zero in (1, 2)
-        and tp == sp == 1
-        and not fp16
-        and "gradient_allreduce_op" not in ds_config
-        and os.environ.get("ZEROSTACK_GRAD_SUM") != "0"
-    )
-
-
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
-    def __init__(self, *, model, ds_config: dict, optimizer: OptimizerConfig, device: torch.device):
+    def __init__(
+        self,
+        *,
+        model,
+        ds_config: dict,
+        optimizer: OptimizerConfig,
+        device: torch.device,
+        whole_blocks: bool = False,
+        grad_sum: bool = False,
+    ):
+        """`whole_blocks`: ZeRO-3 gathers each transformer block as one unit; `grad_sum`: ZeRO-1/2
+        sum gradients ("gradient_allreduce_op": "sum") over a loss the trainer divides by the
+        data-parallel world, rather than DeepSpeed dividing every reduce bucket (the same
+        gradients, to the bit for a world that is a power of two). Both resolved by the
+        trainer's switches (training/preflight/switches.py)."""
         super().__init__()
         tp, sp = parallel.tensor_size(ds_config), parallel.sequence_size(ds_config)
         micro = int(ds_config["train_micro_batch_size_per_gpu"])
@@ -90,8 +71,8 @@ class DeepSpeedEngine(Engine):
         if "optimizer" not in ds_config:
             # Our own AdamW (fused on this device); DeepSpeed wraps it for ZeRO.
             torch_optimizer = adamw(groups, optimizer, device_type=device.type)
-        self.blocks_whole = gather_blocks_whole(model, ds_config, device)
-        self.sums_gradients = sum_gradients(ds_config, device, tp, sp)
+        self.blocks_whole = whole_blocks and gather_blocks_whole(model)
+        self.sums_gradients = grad_sum
         if self.sums_gradients:
             ds_config = {**ds_config, "gradient_allreduce_op": "sum"}
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)

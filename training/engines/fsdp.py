@@ -5,18 +5,17 @@ and gradients are reduced in fp32 (`MixedPrecisionPolicy`). Gradients are reduce
 every micro-step, as ZeRO-2/3 do, so only shards ever accumulate: skipping the sync would hold
 whole unsharded gradients between micro-steps, which is the memory FSDP exists to save.
 
-On one CPU host with accumulation, that memory is traded for communication
-(`hold_between_micro_steps`): the micro-steps of one optimizer step keep the gathered weights
+On one CPU host with accumulation, that memory is traded for communication (`hold`, the
+trainer's --hold-weights): the micro-steps of one optimizer step keep the gathered weights
 and accumulate whole gradients locally, and the step's last micro-step reduce-scatters once
 (per block and step one all-gather and one reduce-scatter, DDP's volume, instead of two
 all-gathers and a reduce-scatter per micro-step). The losses match the sharded path; the whole
 gradients are counted in the model states. GPUs, several hosts, CPU offload and models whose
-whole gradients would not fit never get it; ZEROSTACK_FSDP_HOLD=0 turns it off
-(docs/benchmarks.md has the A/B).
+whole gradients would not fit never get it by default (docs/benchmarks.md has the A/B).
 
 On one CPU host the all-gathers and reduce-scatters go through DeepSpeed's shared-memory kernel,
 as ZeRO-3's do (training/runtime/shm.py: `fsdp_comms`, FSDP2's own custom-collective hooks);
-anywhere else, or with ZEROSTACK_SHM_ALLREDUCE=0, they stay on the process group's backend.
+anywhere else, or with --shm-collectives off, they stay on the process group's backend.
 
 Checkpoints go through `torch.distributed.checkpoint` (DCP): every rank writes its own shards
 and the metadata says where each piece of each tensor lives, so a checkpoint saved on N ranks
@@ -27,7 +26,6 @@ group, for export.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from pathlib import Path
 
@@ -41,7 +39,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from models import transformer_blocks
 from training.engines.native import NativeEngine
-from training.runtime.distributed import one_host_holds
 from training.runtime.shm import fsdp_comms
 
 DCP_DIR = "dcp"  # the sharded checkpoint inside a step folder
@@ -50,12 +47,20 @@ DCP_DIR = "dcp"  # the sharded checkpoint inside a step folder
 class FSDPEngine(NativeEngine):
     name = "fsdp"
 
-    def __init__(self, *, reshard_after_forward: bool = True, cpu_offload: bool = False, **native):
+    def __init__(
+        self,
+        *,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        hold: bool = False,
+        **native,
+    ):
+        """`hold`: micro-steps keep weights gathered and gradients whole (see the module's note;
+        resolved by the trainer's --hold-weights, training/preflight/switches.py)."""
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
-        n_params = sum(p.numel() for p in native["model"].parameters())
         super().__init__(**native)
-        self.hold = hold_between_micro_steps(self.device, self.grad_accum, cpu_offload, n_params)
+        self.hold = hold and self.grad_accum > 1 and not cpu_offload
 
     def _wrap(self, model):
         if not dist.is_initialized():
@@ -151,20 +156,6 @@ class FSDPEngine(NativeEngine):
         )
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
-
-
-def hold_between_micro_steps(
-    device: torch.device, grad_accum: int, cpu_offload: bool, n_params: int
-) -> bool:
-    """Whether micro-steps keep weights gathered and gradients whole (see the module's note):
-    on a CPU, with accumulation, every rank on this host, and the whole fp32 gradients and
-    bf16 weights of every rank (6 bytes a parameter each) within a quarter of the host's free
-    memory (FSDP is also how a model too big for DDP fits); not with ZEROSTACK_FSDP_HOLD=0."""
-    if os.environ.get("ZEROSTACK_FSDP_HOLD") == "0":
-        return False
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    fits = one_host_holds(6 * n_params, world)
-    return device.type == "cpu" and grad_accum > 1 and not cpu_offload and fits
 
 
 def _held_grads(model) -> list[torch.Tensor]:

@@ -4,10 +4,10 @@ Under ZeRO-3 each module is made whole (fp32), initialised, cast and cut into th
 partition, then the whole tensor is freed: one module at a time, so a rank should never hold
 much more than its partition. But the trainer keeps freed blocks of up to 32 MiB on glibc's heap
 for the training steps (runtime/distributed.py, keep_freed_memory), and the partitions, kept,
-sit between the freed whole tensors: the heap can neither reuse nor return those holes. Building
-a 1.3B-wide model of 309M parameters on 2 ranks, each rank's resident set grew by ~950 MiB for a
-295 MiB partition; with every block of 1 MiB or more in a mapping of its own while the model is
-built (returned to the OS the moment it is freed) it grows by ~390 MiB (tests/test_scale_memory.py).
+sit between the freed whole tensors: the heap can neither reuse nor return those holes, and a
+rank's resident set grew to several times its partition. With every block of 1 MiB or more in a
+mapping of its own while the model is built (returned to the OS the moment it is freed) it stays
+near it (measured and bounded in tests/test_scale_memory.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import os
 
 M_MMAP_THRESHOLD = -3  # <malloc.h>
 KEPT_BLOCK = 32 * 2**20  # what keep_freed_memory sets for training
@@ -32,10 +31,10 @@ def _libc():
 
 
 @contextlib.contextmanager
-def freed_blocks_returned(threshold: int = 2**20):
+def freed_blocks_returned(threshold: int = 2**20, kept: bool = True):
     """Inside: every allocation of `threshold` bytes or more is its own mapping, unmapped when
-    freed; after: the training steps' setting again, and the heap's free top given back. A no-op
-    off glibc."""
+    freed; after: the training steps' setting again (`kept`: the trainer's --cpu-malloc tuned,
+    else glibc's default), and the heap's free top given back. A no-op off glibc."""
     libc = _libc()
     if libc is None or libc.mallopt(M_MMAP_THRESHOLD, threshold) != 1:
         yield
@@ -43,7 +42,6 @@ def freed_blocks_returned(threshold: int = 2**20):
     try:
         yield
     finally:
-        kept = os.environ.get("ZEROSTACK_MALLOC") != "default"
         libc.mallopt(M_MMAP_THRESHOLD, KEPT_BLOCK if kept else GLIBC_DEFAULT)
         if hasattr(libc, "malloc_trim"):
             libc.malloc_trim(0)

@@ -50,10 +50,6 @@ from training.settings.ds_config import CONFIG_DIR
 from training.settings.flags import Settings
 
 GiB = 2**30
-# Plan for this much memory instead of what the machine has (the trainer's check and this
-# command alike): to rehearse a smaller machine, or to leave room for other work.
-HOST_MEM_ENV = "ZEROSTACK_HOST_MEM_GIB"
-DEVICE_MEM_ENV = "ZEROSTACK_DEVICE_MEM_GIB"
 HEADROOM = 0.9  # plan to use at most this share of a device: allocators fragment
 RUNTIME_BYTES = {"cuda": int(0.75 * GiB), "cpu": int(0.5 * GiB)}
 # Cheapest first: no sharding, then more sharding, then recomputation, then offload.
@@ -84,10 +80,9 @@ CATEGORIES = (
 # reuse. Measured (docs/scale.md): the step's transients cost about twice their size in RSS.
 CPU_HEAP_SLACK = 1.0
 # What ZeRO-Infinity's optimizer path holds in memory beside its swap buffers (buffer_count x 4
-# bytes a sub-group element). Measured: 16 bytes more a sub-group element (350M at sub_group_size
-# 1e8 against 2e7: 1.2 GiB a rank apart beyond the buffers' own difference). Fitted to the NVMe
-# rows of docs/scale.md (350M, 1.3B, 2.7B; two sub-group sizes), within 15% of each: 0.4 GiB and
-# 1.6 bytes a parameter of the rank's partition (freed sub-group copies the heap keeps).
+# bytes a sub-group element): bytes more a sub-group element, and a fixed part plus bytes a
+# parameter of the rank's partition (freed sub-group copies the heap keeps), fitted to the NVMe
+# rows of docs/scale.md (which says how well).
 NVME_SUB_GROUP_EXTRA = 16
 NVME_FIXED = int(0.4 * GiB)
 NVME_PER_PARAM = 1.6
@@ -395,12 +390,12 @@ class Capacity:
 def capacity(
     device: str | None = None, device_mem_gib=None, host_mem_gib=None, nvme_dir: str = "."
 ) -> Capacity:
-    """This machine's memory, or what the flags say (to plan for another machine)."""
+    """This machine's memory, or what the flags say (the trainer's --host-mem-gib and
+    --device-mem-gib, this command's --host-mem and --device-mem): to plan for another machine,
+    rehearse a smaller one, or leave room for other work."""
     acc = accelerator()
     here = acc.device_name()
     kind = device or here
-    host_mem_gib = host_mem_gib or _env_gib(HOST_MEM_ENV)
-    device_mem_gib = device_mem_gib or _env_gib(DEVICE_MEM_ENV)
     host = int(host_mem_gib * GiB) if host_mem_gib else psutil.virtual_memory().total
     if kind == "cpu":
         dev = host
@@ -414,19 +409,6 @@ def capacity(
     while not d.exists() and d != d.parent:
         d = d.parent
     return Capacity(kind, dev, host, shutil.disk_usage(d).free)
-
-
-def _env_gib(name: str) -> float | None:
-    value = os.environ.get(name)
-    if not value:
-        return None
-    try:
-        gib = float(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r}: give a number of GiB") from None
-    if not math.isfinite(gib) or gib <= 0:
-        raise ConfigError(f"{name}={value!r}: give a positive number of GiB")
-    return gib
 
 
 def fits(p: Plan, cap: Capacity) -> tuple[bool, str]:
@@ -457,22 +439,49 @@ def resolve_config(
     world: int,
     micro_batch: int | None,
     device_type: str = "cuda",
+    ranks_per_host: int | None = None,
+    host_bytes: int | None = None,
 ):
     """A ds_config file resolved as the trainer would on `device_type` (its flag defaults, this
-    world size): bad files and combinations raise ConfigError."""
+    world size, ZeRO-3's hold as --hold-weights auto decides it on a host of `host_bytes`): bad
+    files and combinations raise ConfigError."""
     flags = Settings(data="-", out="-").as_flags()  # the trainer's defaults
     flags["micro_batch"] = micro_batch
     flags["nvme_buffer_size"] = max(shape.largest_layer, 1 << 20)
     raw = ds_config.load_json(path)
-    return ds_config.resolve(
-        raw,
-        world=world,
-        flags=flags,
-        hidden_size=shape.hidden,
-        source=str(path),
-        device_type=device_type,
-        params=shape.params,
+    kw = dict(world=world, flags=flags, hidden_size=shape.hidden, source=str(path))
+    cfg = ds_config.resolve(raw, device_type=device_type, params=shape.params, **kw)
+    held, _ = zero3_holds_whole(
+        cfg, shape.params, world, ranks_per_host or world, host_bytes or 0, device_type
     )
+    if not held:
+        return cfg
+    return ds_config.resolve(
+        raw, device_type=device_type, params=shape.params, hold_weights=True, **kw
+    )
+
+
+def zero3_holds_whole(
+    cfg: dict, params: int, world: int, ranks_per_host: int, host_bytes: int, device_type: str
+) -> tuple[bool, str]:
+    """--hold-weights auto under ZeRO-3 (the trainer's rule, training/preflight/switches.py):
+    every weight kept gathered on a CPU with every rank on this host, parameters not offloaded,
+    and all ranks' whole 16-bit (fp32: 32-bit) weights within a quarter of the host's memory
+    (ZeRO-3 is also how a model too big for ZeRO-2 fits). Returns (on, why)."""
+    zero = cfg.get("zero_optimization", {})
+    held = (4 if ds_config.precision(cfg) == "fp32" else 2) * params
+    for off, why in (
+        (device_type != "cpu", f"{device_type}, not a CPU (unmeasured)"),
+        (
+            str(zero.get("offload_param", {}).get("device", "none")).lower() != "none",
+            "parameters offloaded",
+        ),
+        (ranks_per_host != world, f"{ranks_per_host} of {world} ranks on this host"),
+        (held * world >= host_bytes / 4, f"{_fmt(held * world)} over a quarter of the host"),
+    ):
+        if off:
+            return False, f"auto: {why}"
+    return True, f"auto: one CPU host, {_fmt(held * world)} held within a quarter of its memory"
 
 
 def cheapest_fit(
@@ -488,7 +497,8 @@ def fitting_plans(shape: ModelShape, world: int, cap: Capacity, micro_batch: int
         path = CONFIG_DIR / name
         if not path.is_file():
             continue
-        cfg = resolve_config(path, shape, world, micro_batch, cap.device_type)
+        rph = kw.get("ranks_per_host")
+        cfg = resolve_config(path, shape, world, micro_batch, cap.device_type, rph, cap.host_bytes)
         p = plan(
             shape, cfg, world, config_name=f"ds_configs/{name}", activation_checkpointing=ckpt, **kw
         )
@@ -559,10 +569,14 @@ def check_run(
     activation_checkpointing: bool,
     ranks_per_host: int | None = None,
     nvme_dir: str | None = None,
+    host_mem_gib: float | None = None,
+    device_mem_gib: float | None = None,
 ) -> Verdict:
     """The trainer's check before any work: this run's plan against this machine (or the memory
-    ZEROSTACK_HOST_MEM_GIB / ZEROSTACK_DEVICE_MEM_GIB say), and the shipped configs that fit."""
-    cap = capacity(nvme_dir=nvme_dir or ".")
+    --host-mem-gib / --device-mem-gib say), and the shipped configs that fit."""
+    cap = capacity(
+        device_mem_gib=device_mem_gib, host_mem_gib=host_mem_gib, nvme_dir=nvme_dir or "."
+    )
     if nvme_dir and Path(nvme_dir).is_dir():  # a resumed run's swap files are reused, not added
         cap.nvme_bytes = (cap.nvme_bytes or 0) + _folder_bytes(Path(nvme_dir))
     micro = ds_cfg.get("train_micro_batch_size_per_gpu")
@@ -681,11 +695,13 @@ def main(argv: list[str] | None = None) -> int:
             vocab = a.vocab_size or (load_data(a.data).vocab_size if a.data else None)
             shape = model_shape(a.model, vocab)
             cap = capacity(a.device, a.device_mem, a.host_mem, a.nvme_path)
-            cfg = resolve_config(a.ds_config, shape, a.world, a.micro_batch, cap.device_type)
+            rph = a.ranks_per_host or a.world
+            cfg = resolve_config(
+                a.ds_config, shape, a.world, a.micro_batch, cap.device_type, rph, cap.host_bytes
+            )
         except (ConfigError, ModelError, DataError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        rph = a.ranks_per_host or a.world
         kw = dict(seq_len=a.seq_len, ranks_per_host=rph, device_type=cap.device_type)
         p = plan(
             shape,

@@ -41,12 +41,15 @@ def accelerator():
     return get_accelerator()
 
 
-def setup(timeout_s: float = 600.0, local_rank_arg: int | None = None) -> DistInfo:
+def setup(
+    timeout_s: float = 600.0, local_rank_arg: int | None = None, keep_freed: bool = True
+) -> DistInfo:
     """Initialise torch.distributed from the launcher's env (torchrun or the deepspeed launcher).
 
     A plain `python train.py` with no launcher env runs as a world of one. The backend is the
     accelerator's (gloo on CPU, NCCL on CUDA); `timeout_s` bounds every collective so a dead
-    rank makes the others fail instead of hanging forever."""
+    rank makes the others fail instead of hanging forever; `keep_freed` (a CPU: the trainer's
+    --cpu-malloc tuned) keeps freed blocks on the heap between steps."""
     env = os.environ
     if "RANK" not in env:  # single process, no launcher
         env.setdefault("RANK", "0")
@@ -66,7 +69,8 @@ def setup(timeout_s: float = 600.0, local_rank_arg: int | None = None) -> DistIn
         # Share the cores between the ranks on this host instead of oversubscribing them.
         if "OMP_NUM_THREADS" not in env or local_world > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        keep_freed_memory()
+        if keep_freed:  # the trainer's --cpu-malloc tuned
+            keep_freed_memory()
     else:
         acc.set_device(local_rank)
         device = torch.device(acc.device_name(local_rank))
@@ -86,10 +90,7 @@ def keep_freed_memory() -> bool:
     mmap threshold with fresh mmaps, and trims the heap back to the OS: every step then
     page-faults its working set in again. Keeping blocks up to 32 MiB on the heap and never
     trimming avoids that (docs/benchmarks.md; the peak RSS is what the process reaches anyway).
-    No-op off glibc. ZEROSTACK_MALLOC=default opts out."""
-    if os.environ.get("ZEROSTACK_MALLOC") == "default":
-        return False
-
+    No-op off glibc; the trainer's --cpu-malloc default leaves glibc as it is."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
@@ -169,12 +170,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def one_host_holds(bytes_per_rank: int, world: int) -> bool:
-    """Whether every rank of the world is on this host and all of them together can hold
-    `bytes_per_rank` more within a quarter of its free memory: the gate of the one-host holds
-    (ZeRO-3's whole weights, FSDP2's weights and gradients across micro-steps)."""
-    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return one_host and bytes_per_rank * world < free / 4

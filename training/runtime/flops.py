@@ -1,8 +1,8 @@
 """The matmul ceiling MFU is measured against, taken fresh in every run.
 
-A host's matmul speed moves from day to day (a shared 2-core EPYC has measured anywhere from
-~190 to ~440 bf16 GFLOP/s per core), so a ceiling cached from another day makes MFU fiction:
-a run once logged 62.5% against a stale cache where a fresh probe gave 29%. So every run
+A host's matmul speed moves from day to day (docs/benchmarks.md has how far), so a ceiling
+cached from another day makes MFU fiction (an MFU against a stale cache once read twice the
+fresh probe's). So every run
 measures its own: after a barrier, on every rank at once (one rank per core, as training runs:
 a probe taken while the other ranks still start up reads up to twice the shared peak), on the
 matmul shapes of the model it trains, the median of repeated probes. The run probes again at

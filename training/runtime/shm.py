@@ -2,7 +2,7 @@
 
 On CPU DeepSpeed builds a shared-memory all-reduce (the one its CPU inference uses), but its
 training collectives still go to gloo, which moves every byte through loopback TCP; the kernel
-is 2-3x faster per gradient bucket (docs/benchmarks.md). `shared_memory_collectives` routes
+is faster per gradient bucket (measured in docs/benchmarks.md). `shared_memory_collectives` routes
 DeepSpeed's all-reduces, all-gathers and reduce-scatters (the last two as sums) through it, and
 makes sure DeepSpeed's /dev/shm segments never outlive the run and are whole before anything is
 routed; ZeRO-3's gradient average (its own coalesced reduce-scatter) is summed in place through
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from training.runtime import liveness
 
 
-def shared_memory_collectives() -> bool:
+def shared_memory_collectives(wanted: bool = True) -> bool:
     """Send DeepSpeed's collectives through its shared-memory kernel (CPU, all ranks on one host).
 
     The kernel only sums, in place, so: an all-reduce is the kernel; an all-gather is a sum
@@ -33,13 +33,14 @@ def shared_memory_collectives() -> bool:
     (gloo's thread would compete for the same cores). A sub-group, another op or dtype, a
     non-contiguous tensor still go to gloo. The kernel has no timeout, so the wait is marked
     for the liveness watchdog, which names a peer that died in it. Call it before
-    `deepspeed.initialize` and zero.Init. Returns whether the route is on.
-    ZEROSTACK_SHM_ALLREDUCE=0 opts out (every collective on gloo)."""
+    `deepspeed.initialize` and zero.Init. Returns whether the route is on. `wanted` False (the
+    trainer's --shm-collectives off) starts DeepSpeed's comm layer with every collective on
+    gloo."""
     if not dist.is_initialized():
         return False
 
     env, world = os.environ, dist.get_world_size()
-    wanted = env.get("ZEROSTACK_SHM_ALLREDUCE") != "0" and world > 1
+    wanted = wanted and world > 1
     # DeepSpeed sets its segments up when it starts its comm layer, if LOCAL_SIZE (which its
     # launcher sets and torchrun does not) says every rank is on this host.
     fresh = ds_comm.cdb is None

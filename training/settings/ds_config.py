@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -176,12 +175,14 @@ def resolve(
     source: str = "config",
     device_type: str = "cuda",
     params: int | None = None,
+    hold_weights: bool = False,
 ) -> dict:
     """Apply flag overrides, resolve every "auto", derive and check the batch triplet.
 
     `flags` holds the trainer's values (argparse dests); a None value means "not given".
     `device_type` is the accelerator's ("cpu", "cuda", ...): some defaults depend on it.
-    `params` is the model's parameter count, where known (ZeRO-3's "auto" persistence uses it).
+    `params` is the model's parameter count, where known, and `hold_weights` whether ZeRO-3 keeps
+    them all gathered (its "auto" persistence threshold then covers the model).
     Returns a new dict ready for `deepspeed.initialize` (no "auto" left anywhere)."""
     cfg = precheck(cfg, flags=flags, source=source, device_type=device_type)
     optimizer = hparams.resolve_optimizer(cfg, flags, flags.get("backend", "deepspeed"), source)
@@ -201,7 +202,7 @@ def resolve(
         "zero_optimization.reduce_bucket_size": reduce_bucket_size(cfg, hidden_size, device_type),
         "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
         "zero_optimization.stage3_param_persistence_threshold": persistence_threshold(
-            cfg, hidden_size, device_type, params, world
+            hidden_size, params, hold_weights and zero_stage(cfg) == 3
         ),
         "zero_optimization.allgather_bucket_size": max(hidden_size * hidden_size, 50_000_000),
         "bf16.enabled": True,
@@ -277,37 +278,17 @@ def reduce_bucket_size(cfg: dict, hidden_size: int, device_type: str = "cuda") -
     return n
 
 
-def persistence_threshold(
-    cfg: dict, hidden_size: int, device_type: str, params: int | None, world: int
-) -> int:
+def persistence_threshold(hidden_size: int, params: int | None, hold_weights: bool) -> int:
     """ZeRO-3's "auto" stage3_param_persistence_threshold, in elements: parameters this size or
     smaller are never partitioned. Usually 10 x hidden (norms and biases stay whole).
 
-    On one CPU host, the whole model: every weight stays gathered across the micro-steps of a
+    With `hold_weights` (the trainer's --hold-weights, resolved in training/preflight/
+    switches.py), the whole model: every weight stays gathered across the micro-steps of a
     step and is gathered once after the optimizer step, as ZeRO-2 does (the 16-bit weights),
-    instead of once per block and micro-step, with DeepSpeed's release and fetch around every
-    block (docs/benchmarks.md: ZeRO-3 1.065x with 2 micro-steps, 1.04x with one). Optimizer
-    states and gradients stay partitioned; the plan counts the whole 16-bit weights
-    (training/memory/plan.py), which DeepSpeed holds gathered through forward and backward
-    anyway for a model of up to ~500M parameters (stage3_max_reuse_distance). Only when every
-    rank's whole weights fit in a quarter of the host's free memory (ZeRO-3 is also how a model
-    too big for ZeRO-2 fits), never with parameters offloaded, never on GPUs or several hosts
-    (unmeasured there). ZEROSTACK_ZERO3_HOLD=0 turns it off; =1 turns it on wherever the
-    model's size is known."""
+    instead of once per block and micro-step. Optimizer states and gradients stay partitioned;
+    the plan counts the whole 16-bit weights (training/memory/plan.py)."""
     usual = 10 * hidden_size
-    wanted = os.environ.get("ZEROSTACK_ZERO3_HOLD", "")
-    zero = cfg.get("zero_optimization", {})
-    if wanted == "0" or params is None or zero_stage(cfg) != 3:
-        return usual
-    if wanted == "1":
-        return max(usual, params)
-    from training.runtime.distributed import one_host_holds
-
-    offloaded = str(zero.get("offload_param", {}).get("device", "none")).lower() != "none"
-    fits = one_host_holds((4 if precision(cfg) == "fp32" else 2) * params, world)
-    if device_type == "cpu" and not offloaded and fits:
-        return max(usual, params)
-    return usual
+    return max(usual, params) if hold_weights and params else usual
 
 
 PIPELINE_PARTITIONS = ("parameters", "blocks", "uniform")

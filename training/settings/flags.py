@@ -108,7 +108,40 @@ class Settings:
         "step compiles). Default: on where it was measured to win (our model on a CPU with a C++ "
         "compiler; "
         "not with pipeline, tensor or sequence parallelism, activation checkpointing or "
-        "parameter offload; ZEROSTACK_COMPILE=0 turns the default off)",
+        "parameter offload); --no-compile turns it off",
+    )
+    hold_weights: str = flag(
+        "auto",
+        "ZeRO-3 and FSDP2: keep the weights gathered across the micro-steps of a step (ZeRO-3: "
+        "the whole model under the persistence threshold; FSDP2: the last micro-step's weights "
+        "and whole gradients). auto: on a CPU with every rank on one host, when what is held "
+        "fits a quarter of the host's memory",
+        choices=["auto", "on", "off"],
+    )
+    zero3_whole_blocks: str = flag(
+        "auto",
+        "ZeRO-3: gather and release each transformer block as one unit (one pair of hooks, not "
+        "one per layer). auto: on a CPU, not with parameters on NVMe",
+        choices=["auto", "on", "off"],
+    )
+    grad_sum: str = flag(
+        "auto",
+        "ZeRO-1/2: sum gradients across ranks over a loss divided by the world, instead of "
+        "DeepSpeed dividing every reduce bucket (the same gradients). auto: on a CPU, not fp16, "
+        "TP/SP or a config naming gradient_allreduce_op",
+        choices=["auto", "off"],
+    )
+    shm_collectives: str = flag(
+        "auto",
+        "DeepSpeed's and FSDP2's collectives through DeepSpeed's shared-memory kernel instead of "
+        "gloo. auto: every rank on one CPU host, when the kernel loads",
+        choices=["auto", "off"],
+    )
+    cpu_malloc: str = flag(
+        "tuned",
+        "tuned: glibc keeps freed blocks up to 32 MiB on its heap between steps (CPU); "
+        "default: glibc's own settings",
+        choices=["tuned", "default"],
     )
     attention: str = flag(
         "auto",
@@ -192,6 +225,14 @@ class Settings:
     )
     dist_timeout: float = flag(
         600.0, "seconds before a collective gives up (a hung rank is named after this)"
+    )
+    host_mem_gib: float | None = flag(
+        None,
+        "plan for this much host memory (GiB) instead of the machine's (the memory plan and the "
+        "switches that must fit a quarter of it)",
+    )
+    device_mem_gib: float | None = flag(
+        None, "plan for this much memory per GPU (GiB) instead of the device's"
     )
     force: bool = flag(
         False,

@@ -1,0 +1,195 @@
+"""Everything that can be checked before any process group or model exists, and every choice
+made once for the whole run: the flags and the launcher's environment (command_line.py), the
+run folder (run_folder.py), the DeepSpeed config (resolved by training/settings/ds_config.py),
+the data, the model's config (model_folder.py), what the engine can do (engine.py), the memory
+plan (memory.py), what to resume from (resume.py), and the behaviour switches (switches.py). A
+failure is one line, and nothing was written. This package is the one place below train.py
+that reads the environment to decide anything (the launcher's layout, the host's memory)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from data import load_data
+from data.manifest import Manifest
+from models import pick_attention_kernel
+from training.checkpoints.resume import ResumePlan, plan_resume
+from training.checkpoints.universal import Topology
+from training.engines.base import OptimizerConfig
+from training.loop.schedule import Schedule
+from training.memory.plan import shape_of_config
+from training.preflight.command_line import check_flags, check_launch_env
+from training.preflight.engine import check_engine, check_parallel
+from training.preflight.memory import check_memory
+from training.preflight.model_folder import (
+    check_lengths,
+    check_model,
+    model_config,
+    model_overrides,
+)
+from training.preflight.resume import check_resume_shape
+from training.preflight.run_folder import check_out
+from training.preflight.switches import Switches, compile_by_default, resolve_switches, this_host
+from training.runtime.cluster import accelerate_ds_config
+from training.runtime.distributed import accelerator
+from training.settings import ds_config, nvme, parallel
+from training.settings.flags import Settings
+
+__all__ = [
+    "Prepared",
+    "Switches",
+    "compile_by_default",
+    "model_config",
+    "model_overrides",
+    "prepare_run",
+    "rank0_printer",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """What the checks found, for train.py to execute."""
+
+    ds_config: dict  # resolved: no "auto" left, the batch triplet derived
+    config_path: str
+    precision: str
+    manifest: Manifest
+    model_config: object  # the model's config (ours or any HF one), not the model
+    topology: Topology  # this run's: what a checkpoint's files depend on
+    resume: ResumePlan | None
+    # The optimizer's numbers and the schedule: flag given > ds_config > default (hparams.py)
+    optimizer: OptimizerConfig
+    schedule: Schedule
+    activation_checkpointing: bool = False  # the flag, or the config's section
+    model_overrides: dict | None = None  # config fields the model is built with (positions)
+    attention: str = "sdpa"  # our model's attention kernel, --attention made concrete
+    switches: Switches = Switches()  # every behaviour switch, resolved (switches.py)
+
+    @property
+    def compile(self) -> bool:
+        return self.switches.compile
+
+    @property
+    def micro_batch(self) -> int:
+        return self.ds_config["train_micro_batch_size_per_gpu"]
+
+    @property
+    def grad_accum(self) -> int:
+        return self.ds_config["gradient_accumulation_steps"]
+
+    @property
+    def effective_flags(self) -> dict:
+        """The values the run uses for the flags that default to "not given" (lr, betas, ...),
+        for the run's record."""
+        o, sch = self.optimizer, self.schedule
+        return {
+            "lr": o.lr,
+            "beta1": o.betas[0],
+            "beta2": o.betas[1],
+            "eps": o.eps,
+            "weight_decay": o.weight_decay,
+            "warmup": sch.warmup,
+            "min_lr_ratio": sch.min_lr_ratio,
+            "schedule": sch.kind,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
+
+
+def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
+    """Check a run before any work; raises ConfigError, DataError, ModelError or CheckpointError
+    with one line."""
+    check_flags(settings)
+    check_out(settings)
+    check_launch_env(world)
+    default = "zero2.json" if settings.backend == "deepspeed" else "zero0.json"
+    cfg_path = accelerate_ds_config(settings.ds_config) or str(ds_config.CONFIG_DIR / default)
+    raw = ds_config.load_json(cfg_path)
+    device = accelerator().device_name()
+    # The config's own mistakes first: before the data's checksums are read.
+    ds_config.precheck(raw, flags=settings.as_flags(), source=cfg_path, device_type=device)
+    log = rank0_printer(rank)
+    manifest = load_data(settings.data, settings.seq_len, verify=True, log=log)
+    overrides = model_overrides(settings.model, settings.seq_len)
+    model_cfg = model_config(settings.model, manifest.vocab_size, overrides)
+    check_lengths(settings, model_cfg, manifest)
+    raw = nvme.override_path(raw, settings.nvme_path, cfg_path)
+    flags = {
+        **settings.as_flags(),
+        **nvme.auto_values(settings.nvme_path, Path(settings.out), model_cfg),
+    }
+    shape = shape_of_config(model_cfg, settings.model)  # counted on the meta device
+    host = this_host(settings, device, world)
+    cfg, switches = resolve_config(settings, raw, flags, cfg_path, host, shape, model_cfg)
+    if settings.backend == "deepspeed" and nvme.nvme_sections(cfg):
+        nvme.check_aio(cfg_path)
+    precision = settings.precision or ds_config.precision(cfg)
+    check_engine(settings, cfg, cfg_path, precision)
+    check_model(settings, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
+    attention = pick_attention_kernel(
+        settings.attention, device, settings.seq_len, settings.doc_mask
+    )
+    check_parallel(settings, cfg, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
+    if settings.backend == "deepspeed":
+        check_memory(settings, cfg, cfg_path, shape, world, host.ranks_here)
+    now = Topology(
+        settings.backend,
+        world,
+        ds_config.zero_stage(cfg),
+        ds_config.pipeline_stages(cfg),
+        parallel.tensor_size(cfg),
+        parallel.sequence_size(cfg),
+        optimizer_on_nvme="offload_optimizer" in nvme.nvme_sections(cfg),
+    )
+    resume = plan_resume(settings.resume, Path(settings.out), now, settings.universal, log)
+    if resume is not None:
+        check_resume_shape(resume, model_cfg, settings.model)
+    optimizer, schedule = ds_config.hyperparameters(cfg, flags, cfg_path)
+    return Prepared(
+        ds_config=cfg,
+        config_path=cfg_path,
+        precision=precision,
+        manifest=manifest,
+        model_config=model_cfg,
+        topology=now,
+        resume=resume,
+        optimizer=OptimizerConfig(
+            optimizer["lr"], tuple(optimizer["betas"]), optimizer["eps"], optimizer["weight_decay"]
+        ),
+        schedule=Schedule(**schedule),
+        activation_checkpointing=ds_config.activation_checkpointing(cfg, flags),
+        model_overrides=overrides,
+        attention=attention,
+        switches=switches,
+    )
+
+
+def resolve_config(
+    settings: Settings, raw: dict, flags: dict, cfg_path: str, host, shape, model_cfg
+) -> tuple[dict, Switches]:
+    """The DeepSpeed config with every "auto" resolved, and the switches decided on it. ZeRO-3's
+    "auto" persistence threshold covers the whole model when the weights are held, so a held
+    run's config is resolved once more with that."""
+    kw = dict(
+        world=host.world,
+        flags=flags,
+        hidden_size=model_cfg.hidden_size,
+        source=cfg_path,
+        device_type=host.device_type,
+        params=shape.params,
+    )
+    cfg = ds_config.resolve(raw, **kw)
+    ours = getattr(model_cfg, "model_type", "?") in ("zerostack", "llama")
+    precision = settings.precision or ds_config.precision(cfg)
+    switches = resolve_switches(settings, cfg, host, shape.params, ours=ours, precision=precision)
+    if switches.hold_weights and ds_config.zero_stage(cfg) == 3:
+        cfg = ds_config.resolve(raw, hold_weights=True, **kw)
+    return cfg, switches
+
+
+def rank0_printer(rank: int):
+    """print(line) to stderr on rank 0, nothing elsewhere: rank 0 speaks for all."""
+    if rank != 0:
+        return lambda line: None
+    return lambda line: print(line, file=sys.stderr, flush=True)

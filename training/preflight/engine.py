@@ -1,0 +1,65 @@
+"""Preflight of the engine: what the chosen backend cannot do with this config on this device,
+and what tensor and sequence parallelism need of the model."""
+
+from __future__ import annotations
+
+from training.errors import ConfigError
+from training.runtime.distributed import accelerator
+from training.settings import ds_config, parallel
+from training.settings.flags import Settings
+
+
+def check_engine(settings: Settings, cfg: dict, cfg_path: str, precision: str) -> None:
+    """What the chosen backend cannot do with this config on this device."""
+    if settings.backend == "deepspeed" and precision == "fp16":
+        acc = accelerator()
+        if not acc.is_fp16_supported():
+            raise ConfigError(
+                f"{cfg_path}: fp16 is not supported on this device ({acc.device_name()}: no "
+                "fp16 kernels); use a bf16 config such as ds_configs/zero2.json, or fp32.json"
+            )
+    if settings.backend != "deepspeed" and ds_config.pipeline_stages(cfg) > 1:
+        raise ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
+
+
+def check_parallel(
+    settings: Settings, cfg: dict, layout: parallel.Layout, model_cfg, cfg_path: str
+) -> None:
+    """What tensor and sequence parallelism need of the model (settings/parallel.py)."""
+    if layout.tensor == 1 and layout.sequence == 1:
+        return
+    text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
+    heads = text.num_attention_heads
+    parallel.check_model(
+        layout,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        seq_len=settings.seq_len,
+        source=cfg_path,
+    )
+    own_plan = {"partition_config", "preset_model"} & set(cfg.get("tensor_parallel", {}))
+    if layout.tensor > 1 and not own_plan:  # the config's own plan wins over the model's
+        check_tp_plan(model_cfg, settings.model, cfg_path)
+    if layout.sequence > 1 and settings.doc_mask:
+        raise ConfigError(
+            f"{cfg_path}: --doc-mask with sequence_parallel_size > 1: Ulysses attends over the "
+            "whole gathered sequence with the causal flag only; drop --doc-mask"
+        )
+
+
+def check_tp_plan(model_cfg, model: str, cfg_path: str) -> None:
+    """A transformers model's tensor-parallel plan in styles DeepSpeed's AutoTP applies: it
+    refuses any other inside deepspeed.initialize, after every rank has started."""
+    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    plan = dict(getattr(model_cfg, "base_model_tp_plan", None) or {})
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_cfg), None)
+    plan.update(getattr(model_class, "_tp_plan", None) or {})
+    odd = sorted({style for style in plan.values() if style.lower() not in SUPPORTED_STYLES})
+    if odd:
+        raise ConfigError(
+            f"{cfg_path}: --model {model}: its tensor-parallel plan uses {', '.join(odd)}, which "
+            "DeepSpeed's AutoTP does not apply; give tensor_parallel.partition_config for this "
+            "model, or use data parallelism / ZeRO-3"
+        )

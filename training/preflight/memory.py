@@ -1,0 +1,35 @@
+"""Preflight of memory: the run's plan against this machine before any rank allocates."""
+
+from __future__ import annotations
+
+from training.errors import ConfigError
+from training.memory import oom, plan
+from training.settings import ds_config, nvme, parallel
+from training.settings.flags import Settings
+
+
+def check_memory(
+    settings: Settings, cfg: dict, cfg_path: str, shape, world: int, ranks_per_host: int
+) -> None:
+    """The memory plan (training/memory/plan.py) before any rank allocates the model: a run it
+    says cannot fit is refused, naming the shipped config that would (--force tries anyway).
+    The plan's advice is kept for a rank that runs out of memory later (training/guard.py)."""
+    zero = cfg.get("zero_optimization", {})
+    swap = next((zero[s]["nvme_path"] for s in nvme.nvme_sections(cfg)), None)
+    verdict = plan.check_run(
+        shape,
+        cfg,
+        world,
+        config_name=cfg_path,
+        # Ulysses: each rank's activations cover its slice of the sequence. (Tensor
+        # parallelism is planned as data parallelism: an overestimate of its model states.)
+        seq_len=settings.seq_len // parallel.sequence_size(cfg),
+        activation_checkpointing=ds_config.activation_checkpointing(cfg, settings.as_flags()),
+        ranks_per_host=ranks_per_host,
+        nvme_dir=swap,
+        host_mem_gib=settings.host_mem_gib,
+        device_mem_gib=settings.device_mem_gib,
+    )
+    oom.remember(verdict.advice())
+    if not verdict.fits and not settings.force:
+        raise ConfigError(verdict.refusal())

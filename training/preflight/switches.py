@@ -1,0 +1,245 @@
+"""The trainer's behaviour switches, resolved once before any rank starts: each is a flag
+(settings/flags.py) whose "auto" is made concrete here, from the config, the device and the
+host, and handed down as a plain bool. `Switches.as_record()` is what resolved_config.json keeps
+of them: the value and why (docs/settings.md lists every one, its default and who reads it).
+
+"One host" is every rank of the world on this machine (the launcher's LOCAL_WORLD_SIZE, or
+LOCAL_SIZE from DeepSpeed's); "fits" is against a quarter of the host's total memory (or
+--host-mem-gib), never its free memory at launch, so the same command takes the same path on
+the same machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import psutil
+
+from models.compile import cxx_compiler
+from training.errors import ConfigError
+from training.memory import plan
+from training.settings import ds_config, parallel
+from training.settings.flags import Settings
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Switches:
+    """Every switch's value, and why it has it."""
+
+    compile: bool = False  # torch.compile each block (models/compile.py)
+    hold_weights: bool = False  # ZeRO-3 / FSDP2 keep weights gathered across micro-steps
+    zero3_whole_blocks: bool = False  # ZeRO-3 gathers each transformer block as one unit
+    grad_sum: bool = False  # ZeRO-1/2 sum gradients over a loss divided by the world
+    shm_collectives: bool = False  # collectives through DeepSpeed's shared-memory kernel
+    keep_freed_memory: bool = False  # glibc keeps freed blocks on the heap between steps
+    why: dict = field(default_factory=dict)  # {switch: one line}
+
+    def as_record(self) -> dict:
+        names = ("compile", "hold_weights", "zero3_whole_blocks", "grad_sum", "shm_collectives")
+        names += ("keep_freed_memory",)
+        return {n: {"on": getattr(self, n), "why": self.why.get(n, "")} for n in names}
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the host-dependent switches look at."""
+
+    device_type: str  # "cpu", "cuda", ...
+    world: int
+    ranks_here: int  # ranks of this world on this machine
+    memory_bytes: int  # the host's total memory, or --host-mem-gib
+
+    @property
+    def one_host(self) -> bool:
+        return self.ranks_here == self.world
+
+
+def ranks_on_this_host(world: int) -> int:
+    """How many ranks of the world run on this machine, as the launcher says: torchrun's
+    LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE; without either, a single-host launch."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return world
+
+
+def this_host(settings: Settings, device_type: str, world: int) -> Host:
+    gib = settings.host_mem_gib
+    memory = int(gib * GiB) if gib else psutil.virtual_memory().total
+    return Host(device_type, world, ranks_on_this_host(world), memory)
+
+
+def _tri(value: str, auto: tuple[bool, str], name: str) -> tuple[bool, str]:
+    """A flag's on / off, or "auto"'s (value, why)."""
+    if value == "on":
+        return True, f"--{name} on"
+    if value == "off":
+        return False, f"--{name} off"
+    return auto
+
+
+def resolve_switches(
+    settings: Settings, cfg: dict, host: Host, params: int, *, ours: bool, precision: str
+) -> Switches:
+    """Each switch's flag, with "auto" decided where it was measured to win (docs/benchmarks.md
+    has each measurement): `cfg` is the resolved DeepSpeed config, `params` the model's count."""
+    why: dict[str, str] = {}
+    values = {}
+    for name, resolve in (
+        ("compile", _compile),
+        ("hold_weights", _hold_weights),
+        ("zero3_whole_blocks", _zero3_whole_blocks),
+        ("grad_sum", _grad_sum),
+        ("shm_collectives", _shm_collectives),
+        ("keep_freed_memory", _keep_freed_memory),
+    ):
+        values[name], why[name] = resolve(settings, cfg, host, params, ours, precision)
+    return Switches(**values, why=why)
+
+
+def _compile(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+    if settings.compile is not None:
+        return settings.compile, "--compile" if settings.compile else "--no-compile"
+    on, why = compile_by_default(
+        cfg,
+        host.device_type,
+        ds_config.activation_checkpointing(cfg, settings.as_flags()),
+        ours=ours,
+    )
+    return on, why
+
+
+def compile_by_default(
+    cfg: dict, device_type: str, activation_checkpointing: bool, ours: bool = True
+) -> tuple[bool, str]:
+    """Whether a run that says neither --compile nor --no-compile compiles its blocks, and why:
+    where it was measured to win (docs/benchmarks.md): our model (a preset, our folder or a
+    Llama folder) on a CPU with a C++ compiler for Inductor, and none of what it was not
+    measured with (pipeline stages, which it does not reach; tensor or sequence parallelism;
+    activation checkpointing; parameter offload). Other models and GPUs keep it opt-in."""
+    zero = cfg.get("zero_optimization", {})
+    offload = str(zero.get("offload_param", {}).get("device", "none")).lower() != "none"
+    for off, why in (
+        (not ours, "auto: not our model (unmeasured)"),
+        (device_type != "cpu", f"auto: {device_type}, not a CPU (unmeasured)"),
+        (shutil.which(cxx_compiler()) is None, "auto: no C++ compiler for Inductor"),
+        (ds_config.pipeline_stages(cfg) > 1, "auto: pipeline stages (not reached)"),
+        (parallel.tensor_size(cfg) * parallel.sequence_size(cfg) > 1, "auto: TP/SP (unmeasured)"),
+        (activation_checkpointing, "auto: activation checkpointing (unmeasured)"),
+        (offload, "auto: parameter offload (unmeasured)"),
+    ):
+        if off:
+            return False, why
+    return True, "auto: our model on a CPU with a C++ compiler"
+
+
+def _hold_weights(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+    """ZeRO-3: the whole model under the persistence threshold, so every weight stays gathered
+    across the micro-steps of a step and is gathered once after the optimizer step
+    (memory/plan.py: zero3_holds_whole). FSDP2: the last micro-step's gathered weights and whole
+    gradients kept through its backward (engines/fsdp.py). On a CPU with every rank on this
+    host, and only when what is held fits (both are also how a model too big for ZeRO-2/DDP
+    fits)."""
+    stage = ds_config.zero_stage(cfg)
+    zero3 = settings.backend == "deepspeed" and stage == 3
+    fsdp = settings.backend == "fsdp"
+    if not (zero3 or fsdp):
+        if settings.hold_weights == "on":
+            raise ConfigError(
+                f"--hold-weights on: only ZeRO-3 and FSDP2 hold weights (this is --backend "
+                f"{settings.backend}, ZeRO-{stage}); drop the flag"
+            )
+        return False, "not ZeRO-3 or FSDP2"
+    accum = int(cfg.get("gradient_accumulation_steps", 1))
+    if fsdp and accum == 1:
+        return False, "FSDP2 without accumulation: nothing to hold across"
+    if settings.hold_weights != "auto":
+        return settings.hold_weights == "on", f"--hold-weights {settings.hold_weights}"
+    if zero3:
+        return plan.zero3_holds_whole(
+            cfg, params, host.world, host.ranks_here, host.memory_bytes, host.device_type
+        )
+    held = 6 * params * host.world  # each rank's bf16 weights and fp32 gradients, whole
+    for off, why in (
+        (settings.fsdp_cpu_offload, "--fsdp-cpu-offload"),
+        (host.device_type != "cpu", f"{host.device_type}, not a CPU (unmeasured)"),
+        (not host.one_host, f"{host.ranks_here} of {host.world} ranks on this host"),
+        (held >= host.memory_bytes / 4, f"{held / GiB:.1f} GiB over a quarter of the host"),
+    ):
+        if off:
+            return False, f"auto: {why}"
+    return True, f"auto: one CPU host, {held / GiB:.2f} GiB held within a quarter of its memory"
+
+
+def _zero3_whole_blocks(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+    """ZeRO-3 gathers and releases each transformer block as one unit (one pair of hooks, not
+    one per linear layer); not with parameters on NVMe (a block at once needs more swap buffers
+    than the config gives), not on GPUs (unmeasured)."""
+    zero = cfg.get("zero_optimization", {})
+    if settings.backend != "deepspeed" or ds_config.zero_stage(cfg) != 3:
+        if settings.zero3_whole_blocks == "on":
+            raise ConfigError("--zero3-whole-blocks on: the run is not ZeRO-3; drop the flag")
+        return False, "not ZeRO-3"
+    nvme = zero.get("offload_param", {}).get("device") == "nvme"
+    auto = (
+        (False, "auto: parameters on NVMe")
+        if nvme
+        else (
+            (False, f"auto: {host.device_type}, not a CPU (unmeasured)")
+            if host.device_type != "cpu"
+            else (True, "auto: ZeRO-3 on a CPU")
+        )
+    )
+    return _tri(settings.zero3_whole_blocks, auto, "zero3-whole-blocks")
+
+
+def _grad_sum(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+    """ZeRO-1/2 sum gradients across ranks (DeepSpeed's "gradient_allreduce_op": "sum") over a
+    loss divided by the data-parallel world, rather than DeepSpeed dividing each reduce bucket:
+    the same gradients (to the bit for a world that is a power of two). On a CPU (measured),
+    without tensor or sequence parallelism, not fp16 (its loss scale), and not when the config
+    names its own gradient_allreduce_op."""
+    if settings.grad_sum == "off":
+        return False, "--grad-sum off"
+    for off, why in (
+        (settings.backend != "deepspeed", "not DeepSpeed"),
+        (ds_config.zero_stage(cfg) not in (1, 2), "not ZeRO-1/2"),
+        (ds_config.pipeline_stages(cfg) > 1, "pipeline"),
+        (host.device_type != "cpu", f"{host.device_type}, not a CPU (unmeasured)"),
+        (parallel.tensor_size(cfg) * parallel.sequence_size(cfg) > 1, "TP/SP"),
+        (precision == "fp16", "fp16 (its loss scale)"),
+        ("gradient_allreduce_op" in cfg, "the config names gradient_allreduce_op"),
+    ):
+        if off:
+            return False, f"auto: {why}"
+    return True, "auto: ZeRO-1/2 on a CPU"
+
+
+def _shm_collectives(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+    """DeepSpeed's and FSDP2's collectives through DeepSpeed's shared-memory kernel: every rank
+    on one CPU host. Whether the kernel and its segments are there is known only once the
+    process group is up (runtime/shm.py; the record's `shm_collectives` says what happened)."""
+    if settings.shm_collectives == "off":
+        return False, "--shm-collectives off"
+    for off, why in (
+        (settings.backend == "ddp", "DDP (its own reducer)"),
+        (host.world == 1, "one rank"),
+        (host.device_type != "cpu", f"{host.device_type}, not a CPU"),
+        (not host.one_host, f"{host.ranks_here} of {host.world} ranks on this host"),
+    ):
+        if off:
+            return False, f"auto: {why}"
+    return True, "auto: every rank on one CPU host (if the kernel loads)"
+
+
+def _keep_freed_memory(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+    """glibc keeps freed blocks up to 32 MiB on the heap and never trims it, so a step does not
+    page-fault its working set in again (runtime/distributed.py: keep_freed_memory)."""
+    if settings.cpu_malloc == "default":
+        return False, "--cpu-malloc default"
+    if host.device_type != "cpu":
+        return False, f"auto: {host.device_type}, not a CPU"
+    return True, "--cpu-malloc tuned (a CPU)"
