@@ -19,7 +19,6 @@ from data import load_data
 from data.manifest import MANIFEST, Manifest
 from models import PRESETS, ModelError, cpu_attention, get_config
 from models.hub import resolve_pretrained
-from training.checkpoints import safe_load
 from training.checkpoints.resume import ResumePlan, plan_resume
 from training.checkpoints.universal import Topology
 from training.engines.base import OptimizerConfig
@@ -27,6 +26,7 @@ from training.errors import CheckpointError, ConfigError
 from training.loop.profile import parse_span
 from training.loop.schedule import Schedule
 from training.memory.plan import shape_of_config
+from training.runtime import safe_load
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, nvme, parallel
