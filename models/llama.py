@@ -134,7 +134,7 @@ class Attention(nn.Module):
     def __init__(self, config: ZeroStackConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.kernel = "sdpa"  # or "explicit": set_attention_kernel(); not part of the config
+        self.kernel = "sdpa"  # one of ATTENTION_KERNELS: set_attention_kernel(); not in the config
         # (module, q, k, v) -> (batch, seq, features) or None: set_sequence_parallel()
         self.sequence_parallel = None
         self.n_heads = config.num_attention_heads

@@ -1,6 +1,7 @@
-"""The layering of the code, read from the source with `ast` (nothing is imported): no import
-cycle between modules, models/ free of training/ and DeepSpeed, training/errors.py a leaf, and
-no function under training/ longer than a screen (docs/architecture.md).
+"""The layering of the code, read from the source with `ast` (nothing is imported): every import
+points down the layer order `LAYERS`, no import cycle between modules, models/ free of training/
+and DeepSpeed, training/errors.py a leaf, and no function under training/ longer than a screen
+(docs/architecture.md).
 
 Every import counts: at module level and inside functions, `import x` and `from x import y`.
 `from a.b import c` imports the module `a.b.c` if there is one, else `a.b`; a name resolves to its
@@ -151,6 +152,81 @@ def _cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
     raise AssertionError(f"no cycle in component {component}")  # cannot happen
 
 
+# ------------------------------------------------------------------------------ the layer order
+# The layers, bottom to top: a module imports only from its own layer or one below it, never up.
+# Layers in one row sit side by side: neither imports the other. A layer is one or more names
+# (space-separated); a name is that module and everything under it, and `p.*` is the package p's
+# __init__.py and the modules directly in p (not its subpackages). A module is in the layer of
+# its longest matching name. docs/architecture.md draws this order; keep the two alike.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("models", "data"),  # below all of training/
+    ("training.errors",),
+    ("training.settings", "training.runtime"),
+    ("training.memory",),
+    ("training.engines",),
+    ("training.checkpoints",),
+    ("training.loop",),
+    # the entry points: train.py, startup.py, guard.py, the command shims, ...; and preflight,
+    # a module or a package training/preflight/ with submodules
+    ("training.* training.preflight",),
+    ("launch",),  # the launchers' helpers (the doctor): any layer
+)
+
+# Imports let through against the order, as (importer, imported), each with a comment saying why
+# and when it goes: none today.
+KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
+
+
+def _matches(pattern: str, module: str) -> int:
+    """How specific `pattern`'s match of `module` is (its length in parts), 0 for no match."""
+    if pattern.endswith(".*"):
+        package = pattern[:-2]
+        inside = module == package or module.rpartition(".")[0] == package
+        return len(package.split(".")) if inside else 0
+    inside = module == pattern or module.startswith(pattern + ".")
+    return len(pattern.split(".")) if inside else 0
+
+
+def layer_of(module: str, layers=LAYERS) -> tuple[int, str] | None:
+    """(row in `layers`, bottom 0; the name it matched) of the module; None: in no layer. A row's
+    entry may hold several names (space-separated) that make one layer, not side by side."""
+    best, found = 0, None
+    for row, entries in enumerate(layers):
+        for entry in entries:
+            for pattern in entry.split():
+                n = _matches(pattern, module)
+                if n > best:
+                    best, found = n, (row, entry)
+    return found
+
+
+def layer_violations(
+    graph: dict[str, set[str]], layers=LAYERS, known: Container[tuple[str, str]] = ()
+) -> list[str]:
+    """'module -> imported (layer X imports layer Y above it)' for every import that is not
+    down or within its layer, and 'module (in no layer)' for a module `layers` does not place."""
+    found = []
+    for module in sorted(graph):
+        mine = layer_of(module, layers)
+        if mine is None:
+            found.append(f"{module} (in no layer: add its package to LAYERS)")
+            continue
+        for target in sorted(graph[module]):
+            theirs = layer_of(target, layers)
+            if theirs is None or theirs == mine or (module, target) in known:
+                continue
+            if theirs[0] > mine[0]:
+                where = "above it"
+            elif theirs[0] == mine[0]:
+                where = "beside it"
+            else:
+                continue
+            found.append(
+                f"{module} -> {target} (layer {mine[1]} imports layer {theirs[1]} {where})"
+            )
+    return found
+
+
 # ------------------------------------------------------------------------------ the checks
 def test_the_cycle_finder_finds_a_planted_cycle():
     acyclic = {"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"a"}}
@@ -192,6 +268,54 @@ def test_no_import_cycles():
     assert sum(map(len, graph.values())) > 100  # the walk really read the imports
     cycles = find_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_import_points_down_the_layers():
+    graph = import_graph()
+    placed = {m: layer_of(m) for m in graph}
+    assert placed["training.train"] == placed["training.preflight"] == placed["training"]
+    assert placed["training.runtime.safe_load"][1] == "training.runtime"
+    assert sum(map(len, graph.values())) > 100  # the walk really read the imports
+    found = layer_violations(graph, known=KNOWN_VIOLATIONS)
+    assert not found, "imports against the layer order (LAYERS):\n" + "\n".join(found)
+
+
+def test_the_layer_check_sees_a_planted_violation(tmp_path):
+    """A tiny tree in the real layers: imports down, within a layer and into a preflight
+    package pass; one up, one between side-by-side layers, one from models/ into data/ and a
+    module in no layer are each named; a known violation is let through."""
+    files = {
+        "training/__init__.py": "",
+        "training/errors.py": "",
+        "training/settings/__init__.py": "",
+        "training/settings/flags.py": "from training import errors\n",
+        "training/runtime/distributed.py": "def f():\n    from training.settings import flags\n",
+        "training/engines/base.py": "from training.runtime import distributed\n",
+        "training/engines/ds.py": "from training.engines import base\nimport training.loop.loop\n",
+        "training/loop/loop.py": "from training.engines import base\n",
+        "training/preflight/__init__.py": "from training.preflight import checks\n",
+        "training/preflight/checks.py": "from training.loop import loop\nimport models.llama\n",
+        "training/train.py": "from training import preflight\nfrom training.preflight import checks\n",
+        "training/extra/thing.py": "",
+        "models/llama.py": "import data.reader\n",
+        "data/reader.py": "import numpy\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, ["training", "models", "data"])
+    assert layer_of("training.preflight.checks") == layer_of("training.train")
+    assert layer_of("training.preflight") == layer_of("training")
+    assert layer_violations(graph) == [
+        "models.llama -> data.reader (layer models imports layer data beside it)",
+        "training.engines.ds -> training.loop.loop "
+        "(layer training.engines imports layer training.loop above it)",
+        "training.extra.thing (in no layer: add its package to LAYERS)",
+        "training.runtime.distributed -> training.settings.flags "
+        "(layer training.runtime imports layer training.settings beside it)",
+    ]
+    known = {("models.llama", "data.reader")}
+    assert layer_violations(graph, known=known)[0].startswith("training.engines.ds")
 
 
 FORBIDDEN_IN_MODELS = ("training", "deepspeed", "transformers.integrations.deepspeed")
@@ -295,7 +419,6 @@ PLUMBING_VARS = {
 }  # fmt: skip
 # Reads whose key is computed, each for a reason: (module, why).
 COMPUTED_ENV_READS = {
-    "training.checkpoints.safe_load": "saves and restores torch's two weights-only switches",
     "training.runtime.safe_load": "saves and restores torch's two weights-only switches",
 }
 

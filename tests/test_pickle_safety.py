@@ -18,8 +18,9 @@ import pytest
 import torch
 from conftest import PY, REPO, TINY_RUN, launch
 
-from training.checkpoints import layout, safe_load
+from training.checkpoints import layout
 from training.errors import CheckpointError
+from training.runtime import safe_load
 
 
 class Planted:

@@ -1,4 +1,5 @@
-"""`python -m training.export`: export a checkpoint to a folder stock transformers loads (training/checkpoints/export.py)."""
+"""The command `python -m training.export`: export a checkpoint to a folder stock transformers
+loads. The library is training/checkpoints/export.py; this file only runs its `main`."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""`python -m training.memory_plan`: what one rank will hold, and the cheapest config that fits (training/memory/plan.py)."""
+"""The command `python -m training.memory_plan`: what one rank will hold, and the cheapest config
+that fits. The library is training/memory/plan.py; this file only runs its `main`."""
 
 import sys
 

@@ -73,11 +73,11 @@ def run_record(
         "switches": prepared.switches.as_record(),
         "shm_collectives": shm,
         # ZeRO-3 gathers each transformer block whole (engines/ds.py: gather_blocks_whole)
-        "zero3_blocks_whole": getattr(engine, "blocks_whole", False),
+        "zero3_blocks_whole": engine.blocks_whole,
         # ZeRO-3 and FSDP2 keeping weights gathered across micro-steps (one CPU host)
-        "held_across_micro_steps": getattr(engine, "hold", False),
+        "held_across_micro_steps": engine.hold,
         # ZeRO-1/2 summing gradients over a loss divided by the world (engines/ds.py)
-        "gradients_summed": getattr(engine, "sums_gradients", False),
+        "gradients_summed": engine.sums_gradients,
         "device": str(dist.device),
         "precision": prepared.precision,
         "peak_flops_per_rank": ceiling.per_rank,  # what MFU divides by, times world

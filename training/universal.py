@@ -1,4 +1,5 @@
-"""`python -m training.universal`: convert a DeepSpeed checkpoint to the universal format (training/checkpoints/universal.py)."""
+"""The command `python -m training.universal`: convert a DeepSpeed checkpoint to the universal
+format. The library is training/checkpoints/universal.py; this file only runs its `main`."""
 
 import sys
 

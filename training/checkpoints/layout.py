@@ -19,7 +19,7 @@ and goes when its checkpoint goes.
 What zerostack writes itself is JSON, so reading it back runs no code: the trainer state, and
 each rank's RNG states (torch's generator bytes in base64, numpy's and Python's Mersenne
 Twister words as integers, so they round-trip exactly). `load_trainer_state` first checks that
-no file of the checkpoint names a class outside checkpoints/safe_load.py's allow-list.
+no file of the checkpoint names a class outside runtime/safe_load.py's allow-list.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.checkpoints import integrity, safe_load
+from training.checkpoints import integrity
 from training.checkpoints.integrity import COMPLETE
 from training.errors import CheckpointError, SaveFailed
-from training.runtime import distributed
+from training.runtime import distributed, safe_load
 
 LATEST = "latest"
 STATE = "trainer_state.json"

@@ -16,11 +16,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from models import ZeroStackForCausalLM, from_llama_state_dict, pipeline_state_dict_to_model
-from training.checkpoints import safe_load
 from training.checkpoints.zero_files import ZeroFiles, load_mapped
 from training.engines import load_full_state_dict
 from training.engines.optim import param_groups
 from training.errors import WeightsError
+from training.runtime import safe_load
 
 
 def iter_weights(

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoints import safe_load
 from training.errors import CheckpointError
+from training.runtime import safe_load
 
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants

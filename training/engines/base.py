@@ -38,6 +38,10 @@ class Engine(ABC):
     name: str
     dp_rank: int
     dp_world: int
+    # What an engine does differently, for the run record (record.py); False unless it sets them:
+    blocks_whole = False  # ZeRO-3 gathers each transformer block whole (engines/ds.py)
+    hold = False  # weights kept gathered across micro-steps (ZeRO-3, FSDP2 on one CPU host)
+    sums_gradients = False  # ZeRO-1/2 sums gradients over a loss divided by the world (ds.py)
 
     def __init__(self) -> None:
         initialized = dist.is_initialized()

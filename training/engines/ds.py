@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
 from models import transformer_blocks
-from training.checkpoints import safe_load
 from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.engines.sequence import SequenceParallel
 from training.memory.state_bytes import state_bytes
+from training.runtime import safe_load
 from training.settings import parallel
 from training.settings.ds_config import zero_stage
 

@@ -1,5 +1,5 @@
 """The one training loop (loop.py) and the small parts it composes: the schedule, the step timer,
-the saver, the evaluator, the divergence guard and the rank-0 logger."""
+the saver, the evaluator, the count of bad steps (divergence.py) and the rank-0 logger."""
 
 from training.loop.evaluate import Evaluator
 from training.loop.logger import RunLogger

@@ -7,7 +7,7 @@ from __future__ import annotations
 from training.errors import Diverged
 
 
-class Guard:
+class BadStepCounter:
     """Counts non-finite steps; `update` raises Diverged after `limit` in a row."""
 
     def __init__(self, limit: int, total: int = 0):

@@ -15,7 +15,7 @@ import torch
 
 from training.checkpoints import layout
 from training.engines.base import Engine, StepResult
-from training.loop.divergence import Guard
+from training.loop.divergence import BadStepCounter
 from training.loop.evaluate import Evaluator
 from training.loop.profile import StepProfiler
 from training.loop.saver import Saver
@@ -113,7 +113,7 @@ def run(
     `signals.current().honored` is set); returns the last evaluation. Raises Diverged after
     --max-bad-steps consecutive non-finite steps."""
     stop = signals.current()
-    guard = Guard(config.max_bad_steps, state.nonfinite)
+    bad_steps = BadStepCounter(config.max_bad_steps, state.nonfinite)
     timer = StepTimer()
     losses = LossMeter(device)
     first_step = state.step
@@ -141,7 +141,7 @@ def run(
         liveness.note_step(state.step)
         agreed = _agree(stop, step_loss, result, device)
         state.skipped += int(agreed.skipped)
-        bad = _count_nonfinite(agreed, result, state, guard, saver, logger)
+        bad = _count_nonfinite(agreed, result, state, bad_steps, saver, logger)
         if not bad:
             losses.add(step_loss, config.grad_accum)
         timer.tick()
@@ -250,12 +250,14 @@ def _agree(stop, step_loss: torch.Tensor, result: StepResult, device) -> Agreed:
     return Agreed(int(signum), int(by) - 1, bool(loss_bad), bool(skipped))
 
 
-def _count_nonfinite(agreed: Agreed, result, state, guard: Guard, saver: Saver, logger) -> bool:
+def _count_nonfinite(
+    agreed: Agreed, result, state, bad_steps: BadStepCounter, saver: Saver, logger
+) -> bool:
     """Whether this step was bad (logged, and counted toward --max-bad-steps)."""
     # fp16: a skipped update with a finite loss is an overflow, the loss scaler's business.
     bad = agreed.loss_bad or (agreed.skipped and result.loss_scale is None)
     if bad:
-        in_a_row, total = guard.in_a_row + 1, guard.total + 1
+        in_a_row, total = bad_steps.in_a_row + 1, bad_steps.total + 1
         what = "gradient norm" if not agreed.loss_bad else "loss"
         applied = "skipped on every rank" if agreed.skipped else "APPLIED"
         logger.log(
@@ -270,8 +272,8 @@ def _count_nonfinite(agreed: Agreed, result, state, guard: Guard, saver: Saver, 
                 "total)",
             }
         )
-    guard.update(state.step, bad, saver.latest() if bad else None)
-    state.nonfinite = guard.total
+    bad_steps.update(state.step, bad, saver.latest() if bad else None)
+    state.nonfinite = bad_steps.total
     return bad
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pickle
 
-from training.checkpoints import layout, safe_load
+from training.checkpoints import layout
 from training.checkpoints.resume import ResumePlan
 from training.engines.base import Engine
 from training.errors import CheckpointError
 from training.loop.loop import LoopState
+from training.runtime import safe_load
 
 
 def restore(plan: ResumePlan, engine: Engine, loader, rank: int, world: int) -> LoopState:

@@ -11,8 +11,8 @@ from transformers import AutoConfig
 
 from models import PRESETS, ModelError, cpu_attention, get_config
 from models.hub import resolve_pretrained
-from training.checkpoints import safe_load
 from training.errors import ConfigError
+from training.runtime import safe_load
 from training.settings.flags import Settings
 
 
