@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 training/train.py --backend ddp --data DATA_DIR --out runs/ddp
 
 parse the flags (settings/flags.py) -> check everything that can be checked before any work
-(preflight.py) -> train under guard.py, which turns how the run ended into its exit code
+(preflight/) -> train under guard.py, which turns how the run ended into its exit code
 (errors.py: 0 done, 2 bad input, 3 diverged, 4 lost a rank, 5 could not save, 75 preempted).
 Training: the process group and the resume plan verified by all ranks (startup.py), the model
 built for its engine, the engine, the data restored to where the checkpoint left it, the run's
