@@ -184,7 +184,8 @@ def planned(row: dict, vocab: int, world: int, nvme_dir: Path) -> dict:
 
     shape = memory_plan.shape_of_config(get_config(row["preset"], vocab_size=vocab), row["preset"])
     path = REPO / "ds_configs" / f"{row['config']}.json"
-    cfg = memory_plan.resolve_config(path, shape, world, 1, "cpu")
+    host = memory_plan.capacity(host_mem_gib=None).host_bytes  # the trainer's hold decision
+    cfg = memory_plan.resolve_config(path, shape, world, 1, "cpu", world, host)
     for s in ("offload_optimizer", "offload_param"):  # the swap folder the run will use
         sec = cfg.get("zero_optimization", {}).get(s, {})
         if sec.get("device") == "nvme":
