@@ -9,12 +9,17 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.zerostack-requirements
-inputs=(requirements.txt requirements.lock pyproject.toml)
+inputs=(requirements.txt pyproject.toml)
+lock=()  # no lock only while regenerating it (.ci/lock): then the newest versions in the ranges
+if [ -f requirements.lock ]; then
+  inputs+=(requirements.lock)
+  lock=(-c requirements.lock)
+fi
 if [ ! -f "$stamp" ] || ! cat "${inputs[@]}" | cmp -s - "$stamp"; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c requirements.lock \
+  .venv/bin/python -m pip install -q ${lock[@]+"${lock[@]}"} \
     "$(grep -E '^torch==' requirements.txt)" numpy "setuptools>=64" wheel
-  .venv/bin/python -m pip install -q --no-build-isolation -c requirements.lock -e ".[dev]"
+  .venv/bin/python -m pip install -q --no-build-isolation ${lock[@]+"${lock[@]}"} -e ".[dev]"
   cat "${inputs[@]}" > "$stamp"
 fi
 .venv/bin/python -c "import torch, deepspeed, transformers; print(f'zerostack env: torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}')" 2>/dev/null
