@@ -14,18 +14,15 @@ head forward, twice that backward), beside the bf16 matmul ceiling measured in t
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models import cpu_attention  # noqa: E402
-from models.llama import explicit_attention  # noqa: E402
+from models import cpu_attention
+from models.llama import explicit_attention
 
 
 def kernels() -> dict:

@@ -13,16 +13,13 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
-
-from data import BatchLoader, TokenDataset, load_manifest, prepare  # noqa: E402
-from data.shards import write_splits  # noqa: E402
-from data.sources import resolve_source  # noqa: E402
+from data import BatchLoader, TokenDataset, load_manifest, prepare
+from data.shards import write_splits
+from data.sources import resolve_source
 
 TRAINING_TOKENS_PER_S = 40_000  # the small model on a 2-core CPU consumes 20-40k tokens/s
 

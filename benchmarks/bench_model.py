@@ -16,14 +16,12 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import time
 
 import torch
 from transformers import LlamaForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models import (  # noqa: E402
+from models import (
     ZeroStackForCausalLM,
     flops_per_token,
     get_config,

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 DEFAULT_CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fp32"]
 
@@ -96,7 +95,6 @@ def run_reference(a, threads: int, kernel: str) -> dict:
     attention kernel (sdpa is what such loops use; the first row takes the trainer's pick)."""
     code = f"""
 import json, resource, sys, time, torch
-sys.path.insert(0, {str(REPO)!r})
 torch.set_num_threads({threads})
 from data import BatchLoader, TokenDataset, load_manifest
 from models import build_model, flops_per_token, set_attention_kernel
@@ -163,7 +161,6 @@ def main() -> int:
         return 2
     # The first row is the yardstick: the same model and attention kernel as the trainer's runs,
     # so the ratio is DeepSpeed's own cost; the second is the loop as people write it (SDPA).
-    sys.path.insert(0, str(REPO))
     from models import pick_attention_kernel
 
     ours = pick_attention_kernel("auto", "cpu", a.seq_len)

@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 NATIVE = ["ddp", "fsdp"]
 # Rows that run an engine with one of the trainer's switches turned (docs/settings.md):

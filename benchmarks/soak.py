@@ -269,7 +269,6 @@ def write_section(doc: Path, body: str) -> None:
 
 def ensure_data(path: Path) -> Path:
     if not (path / "manifest.json").is_file():
-        sys.path.insert(0, str(REPO))
         from data import prepare
 
         print(f"preparing a small corpus into {path} (once)", flush=True)

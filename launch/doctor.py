@@ -22,9 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script by the deepspeed launcher
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -310,8 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     return run(argv)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `zerostack-doctor` command and `launch/doctor.py` run as a script: main's exit code,
+    through distributed.exit_process (the checks ran collectives)."""
     code = main()
     from training.runtime import distributed
 
     distributed.exit_process(code)
+
+
+if __name__ == "__main__":
+    cli()

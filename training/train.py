@@ -17,18 +17,14 @@ from __future__ import annotations
 import gc
 import json
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script by the launchers: make the repo importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from data import BatchLoader, DataError, TokenDataset, open_split  # noqa: E402
-from models import (  # noqa: E402
+from data import BatchLoader, DataError, TokenDataset, open_split
+from models import (
     PRESETS,
     ModelError,
     compile_blocks,
@@ -36,18 +32,18 @@ from models import (  # noqa: E402
     set_attention_kernel,
     set_document_mask,
 )
-from models.hub import resolve_pretrained  # noqa: E402
-from training.checkpoints.weights import folder_weights  # noqa: E402
-from training.engines import Engine, build_engine  # noqa: E402
-from training.engines.construct import build_for_engine  # noqa: E402
-from training.errors import CheckpointError, ConfigError  # noqa: E402
-from training.guard import refused, run_guarded  # noqa: E402
-from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run  # noqa: E402
-from training.loop.loop import LiveCeiling  # noqa: E402
-from training.loop.profile import StepProfiler, parse_span  # noqa: E402
-from training.loop.restore import restore  # noqa: E402
-from training.preflight import Prepared, prepare_run  # noqa: E402
-from training.record import (  # noqa: E402
+from models.hub import resolve_pretrained
+from training.checkpoints.weights import folder_weights
+from training.engines import Engine, build_engine
+from training.engines.construct import build_for_engine
+from training.errors import CheckpointError, ConfigError
+from training.guard import refused, run_guarded
+from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run
+from training.loop.loop import LiveCeiling
+from training.loop.profile import StepProfiler, parse_span
+from training.loop.restore import restore
+from training.preflight import Prepared, prepare_run
+from training.record import (
     banner,
     describe_ranks,
     resumed,
@@ -55,12 +51,12 @@ from training.record import (  # noqa: E402
     trainer_facts,
     write_record,
 )
-from training.runtime import distributed, signals  # noqa: E402
-from training.runtime.distributed import DistInfo  # noqa: E402
-from training.runtime.flops import ceiling_drift, model_shapes, run_ceiling  # noqa: E402
-from training.settings import nvme  # noqa: E402
-from training.settings.flags import Settings, parser  # noqa: E402
-from training.startup import Started, give_back_untouched, start  # noqa: E402
+from training.runtime import distributed, signals
+from training.runtime.distributed import DistInfo
+from training.runtime.flops import ceiling_drift, model_shapes, run_ceiling
+from training.settings import nvme
+from training.settings.flags import Settings, parser
+from training.startup import Started, give_back_untouched, start
 
 __all__ = ["Settings", "main", "parser"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -305,5 +301,11 @@ def train_loop(t: Training) -> dict:
     )
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `zerostack-train` command and `training/train.py` run as a script: main's exit code,
+    through distributed.exit_process (it leaves without the interpreter's finalization)."""
     distributed.exit_process(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -19,14 +19,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from models import PRESETS  # noqa: E402
-from training import preflight  # noqa: E402
-from training.engines.construct import build_for_engine  # noqa: E402
-from training.runtime import distributed  # noqa: E402
-from training.settings import ds_config, nvme  # noqa: E402
-from training.settings.flags import Settings  # noqa: E402
+from models import PRESETS
+from training import preflight
+from training.engines.construct import build_for_engine
+from training.runtime import distributed
+from training.settings import ds_config, nvme
+from training.settings.flags import Settings
 
 
 def rss() -> int:

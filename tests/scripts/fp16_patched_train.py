@@ -4,20 +4,20 @@ This CPU has no fp16 kernels, so DeepSpeed (and our trainer) refuse fp16 here; t
 tests exercise the loss-scaling logic (overflow skips, scale changes, scaler state in
 checkpoints) on a few steps of the tiny preset. Never used outside tests."""
 
-import sys
-from pathlib import Path
-
 import torch
+from deepspeed.accelerator import get_accelerator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from training.runtime import distributed
+from training.train import main
 
-from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-acc = get_accelerator()
-acc.is_fp16_supported = lambda: True
-acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+def patch_fp16() -> None:
+    """The accelerator says it has fp16 (preflight and DeepSpeed ask it when the run starts)."""
+    acc = get_accelerator()
+    acc.is_fp16_supported = lambda: True
+    acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
 
-from training.runtime import distributed  # noqa: E402
-from training.train import main  # noqa: E402
 
-distributed.exit_process(main())
+if __name__ == "__main__":
+    patch_fp16()
+    distributed.exit_process(main())

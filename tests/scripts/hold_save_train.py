@@ -6,14 +6,10 @@ Rank 0 waits after the step's files and trainer state are written and before the
 seals the checkpoint (complete.json) and moves `latest`. Never used outside tests."""
 
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from training import train  # noqa: E402
-from training.checkpoints import integrity, layout  # noqa: E402
+from training import train
+from training.checkpoints import integrity, layout
 
 step, seconds = os.environ["ZEROSTACK_TEST_HOLD_SAVE"].split(":")
 listing = integrity.listing

@@ -9,14 +9,10 @@ used outside tests."""
 
 import math
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from training import train  # noqa: E402
+from training import train
 
 STEPS = {int(s) for s in os.environ.get("ZEROSTACK_TEST_NAN_STEPS", "").split(",") if s.strip()}
 build_engine = train.build_engine

@@ -12,16 +12,13 @@ Never used outside tests."""
 
 import os
 import resource
-import sys
 from pathlib import Path
 
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from training import train  # noqa: E402
-from training.runtime import liveness  # noqa: E402
+from training import train
+from training.runtime import liveness
 
 RANK = int(os.environ.get("ZEROSTACK_TEST_OOM_RANK", "1"))
 STEP = int(os.environ.get("ZEROSTACK_TEST_OOM_STEP", "2"))

@@ -13,8 +13,6 @@ import resource
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 
 def rss() -> int:
     with open("/proc/self/statm") as f:

@@ -20,16 +20,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from data import load_manifest  # noqa: E402
-from training.engines import OptimizerConfig, build_engine  # noqa: E402
-from training.engines.construct import build_for_engine  # noqa: E402
-from training.memory import plan as memory_plan  # noqa: E402
-from training.runtime import distributed  # noqa: E402
-from training.settings import ds_config  # noqa: E402
-from training.settings.flags import Settings  # noqa: E402
-from training.settings.hparams import DEFAULTS as D  # noqa: E402
+from data import load_manifest
+from training.engines import OptimizerConfig, build_engine
+from training.engines.construct import build_for_engine
+from training.memory import plan as memory_plan
+from training.runtime import distributed
+from training.settings import ds_config
+from training.settings.flags import Settings
+from training.settings.hparams import DEFAULTS as D
 
 
 def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:

@@ -5,12 +5,9 @@ trainer builds is observed through a forward hook; nothing is changed. Never use
 
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from training import train  # noqa: E402
+from training import train
 
 build_engine = train.build_engine
 

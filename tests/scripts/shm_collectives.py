@@ -4,17 +4,13 @@ work, and no segment is left in /dev/shm. Prints one JSON line on rank 0."""
 
 import json
 import os
-import sys
-from pathlib import Path
 
+import deepspeed.comm as ds
+import deepspeed.runtime.zero.stage3 as stage3
 import torch
+import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import deepspeed.comm as ds  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from training.runtime import distributed, shm  # noqa: E402
+from training.runtime import distributed, shm
 
 info = distributed.setup(timeout_s=60)
 routed = shm.shared_memory_collectives(wanted=sys.argv[1:] != ["off"])  # --shm-collectives
@@ -122,8 +118,6 @@ out["gloo_calls_fallback"] = gloo_calls[0] - out["gloo_calls_routed"]
 # tensor's mean, bitwise DeepSpeed's way on gloo (each rank's tensor divided, then summed), for
 # a bucket's gradients side by side in one buffer (in reverse, as ZeRO-3 sorts them) and for
 # tensors apart. Odd sizes: the last rank's chunk is shorter.
-import deepspeed.runtime.zero.stage3 as stage3  # noqa: E402
-
 out["coalesced"] = {}
 for dtype in (torch.float32, torch.bfloat16):
     sizes = (1001, 7, 262_145, 3)

@@ -5,16 +5,12 @@ watchdog must name rank 1 and end rank 0 with exit code 4. argv: run folder, --d
 import os
 import signal
 import sys
-from pathlib import Path
 
+import deepspeed.comm as ds
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import deepspeed.comm as ds  # noqa: E402
-
-from training.guard import run_guarded  # noqa: E402
-from training.runtime import distributed, shm  # noqa: E402
+from training.guard import run_guarded
+from training.runtime import distributed, shm
 
 
 def train():
