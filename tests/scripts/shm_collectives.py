@@ -4,6 +4,7 @@ work, and no segment is left in /dev/shm. Prints one JSON line on rank 0."""
 
 import json
 import os
+import sys
 
 import deepspeed.comm as ds
 import deepspeed.runtime.zero.stage3 as stage3
