@@ -89,6 +89,10 @@ def test_flags_win_over_auto_and_impossible_ones_are_refused():
     assert not switches("zero2", "--grad-sum", "off").grad_sum
     two_hosts = Host("cpu", world=4, ranks_here=2, memory_bytes=64 * GiB)
     assert switches("zero3", "--hold-weights", "on", host=two_hosts).hold_weights
+    # FSDP2 with its shards in host memory holds nothing, whatever the flag says
+    offloaded = switches("zero0", "--backend", "fsdp", "--fsdp-cpu-offload", "--hold-weights", "on")
+    assert not offloaded.hold_weights
+    assert offloaded.why["hold_weights"].startswith("--fsdp-cpu-offload")
     with pytest.raises(ConfigError, match="--hold-weights on: only ZeRO-3 and FSDP2"):
         switches("zero2", "--hold-weights", "on")
     with pytest.raises(ConfigError, match="--zero3-whole-blocks on: the run is not ZeRO-3"):

@@ -41,9 +41,8 @@ def build_for_engine(
     if backend != "deepspeed" or zero_stage(ds_config) != 3:
         return build_model(spec, vocab_size=vocab_size, overrides=overrides)
     partitioned = ZeRO3Partitioned(ds_config)
-    with freed_blocks_returned(
-        kept=keep_freed
-    ):  # the freed whole modules must not stay on the heap
+    # the freed whole modules must not stay on the heap
+    with freed_blocks_returned(kept=keep_freed):
         model = build_model(
             spec, vocab_size=vocab_size, overrides=overrides, partitioned=partitioned
         )

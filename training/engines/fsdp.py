@@ -60,7 +60,7 @@ class FSDPEngine(NativeEngine):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         super().__init__(**native)
-        self.hold = hold and self.grad_accum > 1 and not cpu_offload
+        self.hold = hold
 
     def _wrap(self, model):
         if not dist.is_initialized():

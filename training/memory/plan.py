@@ -47,7 +47,7 @@ from training.errors import ConfigError
 from training.runtime.distributed import accelerator
 from training.settings import ds_config
 from training.settings.ds_config import CONFIG_DIR
-from training.settings.flags import Settings
+from training.settings.flags import Settings, auto_unless
 
 GiB = 2**30
 HEADROOM = 0.9  # plan to use at most this share of a device: allocators fragment
@@ -465,23 +465,36 @@ def zero3_holds_whole(
     cfg: dict, params: int, world: int, ranks_per_host: int, host_bytes: int, device_type: str
 ) -> tuple[bool, str]:
     """--hold-weights auto under ZeRO-3 (the trainer's rule, training/preflight/switches.py):
-    every weight kept gathered on a CPU with every rank on this host, parameters not offloaded,
-    and all ranks' whole 16-bit (fp32: 32-bit) weights within a quarter of the host's memory
-    (ZeRO-3 is also how a model too big for ZeRO-2 fits). Returns (on, why)."""
-    zero = cfg.get("zero_optimization", {})
+    every rank's whole 16-bit (fp32: 32-bit) weights kept gathered, by `one_cpu_host_holds`,
+    not with parameters offloaded. Returns (on, why)."""
+    offload = cfg.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
     held = (4 if ds_config.precision(cfg) == "fp32" else 2) * params
-    for off, why in (
-        (device_type != "cpu", f"{device_type}, not a CPU (unmeasured)"),
-        (
-            str(zero.get("offload_param", {}).get("device", "none")).lower() != "none",
-            "parameters offloaded",
-        ),
-        (ranks_per_host != world, f"{ranks_per_host} of {world} ranks on this host"),
-        (held * world >= host_bytes / 4, f"{_fmt(held * world)} over a quarter of the host"),
-    ):
-        if off:
-            return False, f"auto: {why}"
-    return True, f"auto: one CPU host, {_fmt(held * world)} held within a quarter of its memory"
+    blockers = [(str(offload).lower() != "none", "parameters offloaded")]
+    return one_cpu_host_holds(held, world, ranks_per_host, host_bytes, device_type, blockers)
+
+
+def one_cpu_host_holds(
+    held_per_rank: int,
+    world: int,
+    ranks_per_host: int,
+    host_bytes: int,
+    device_type: str,
+    blockers=(),
+) -> tuple[bool, str]:
+    """The rule of the one-host holds (ZeRO-3's whole weights, FSDP2's whole weights and
+    gradients across micro-steps): on a CPU (measured there), every rank on this host, and what
+    all of them hold within a quarter of its memory (ZeRO-3 and FSDP2 are also how a model too
+    big for ZeRO-2 or DDP fits); none of `blockers`. Returns (on, why)."""
+    total = held_per_rank * world
+    return auto_unless(
+        [
+            *blockers,
+            (device_type != "cpu", f"{device_type}, not a CPU (unmeasured)"),
+            (ranks_per_host != world, f"{ranks_per_host} of {world} ranks on this host"),
+            (total >= host_bytes / 4, f"{_fmt(total)} over a quarter of the host"),
+        ],
+        f"one CPU host, {_fmt(total)} held within a quarter of its memory",
+    )
 
 
 def cheapest_fit(

@@ -20,7 +20,7 @@ from models.compile import cxx_compiler
 from training.errors import ConfigError
 from training.memory import plan
 from training.settings import ds_config, parallel
-from training.settings.flags import Settings
+from training.settings.flags import Settings, auto_unless
 
 GiB = 2**30
 
@@ -52,10 +52,6 @@ class Host:
     ranks_here: int  # ranks of this world on this machine
     memory_bytes: int  # the host's total memory, or --host-mem-gib
 
-    @property
-    def one_host(self) -> bool:
-        return self.ranks_here == self.world
-
 
 def ranks_on_this_host(world: int) -> int:
     """How many ranks of the world run on this machine, as the launcher says: torchrun's
@@ -70,15 +66,6 @@ def this_host(settings: Settings, device_type: str, world: int) -> Host:
     gib = settings.host_mem_gib
     memory = int(gib * GiB) if gib else psutil.virtual_memory().total
     return Host(device_type, world, ranks_on_this_host(world), memory)
-
-
-def _tri(value: str, auto: tuple[bool, str], name: str) -> tuple[bool, str]:
-    """A flag's on / off, or "auto"'s (value, why)."""
-    if value == "on":
-        return True, f"--{name} on"
-    if value == "off":
-        return False, f"--{name} off"
-    return auto
 
 
 def resolve_switches(
@@ -103,13 +90,8 @@ def resolve_switches(
 def _compile(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
     if settings.compile is not None:
         return settings.compile, "--compile" if settings.compile else "--no-compile"
-    on, why = compile_by_default(
-        cfg,
-        host.device_type,
-        ds_config.activation_checkpointing(cfg, settings.as_flags()),
-        ours=ours,
-    )
-    return on, why
+    checkpointing = ds_config.activation_checkpointing(cfg, settings.as_flags())
+    return compile_by_default(cfg, host.device_type, checkpointing, ours=ours)
 
 
 def compile_by_default(
@@ -122,18 +104,18 @@ def compile_by_default(
     activation checkpointing; parameter offload). Other models and GPUs keep it opt-in."""
     zero = cfg.get("zero_optimization", {})
     offload = str(zero.get("offload_param", {}).get("device", "none")).lower() != "none"
-    for off, why in (
-        (not ours, "auto: not our model (unmeasured)"),
-        (device_type != "cpu", f"auto: {device_type}, not a CPU (unmeasured)"),
-        (shutil.which(cxx_compiler()) is None, "auto: no C++ compiler for Inductor"),
-        (ds_config.pipeline_stages(cfg) > 1, "auto: pipeline stages (not reached)"),
-        (parallel.tensor_size(cfg) * parallel.sequence_size(cfg) > 1, "auto: TP/SP (unmeasured)"),
-        (activation_checkpointing, "auto: activation checkpointing (unmeasured)"),
-        (offload, "auto: parameter offload (unmeasured)"),
-    ):
-        if off:
-            return False, why
-    return True, "auto: our model on a CPU with a C++ compiler"
+    return auto_unless(
+        [
+            (not ours, "not our model (unmeasured)"),
+            (device_type != "cpu", f"{device_type}, not a CPU (unmeasured)"),
+            (shutil.which(cxx_compiler()) is None, "no C++ compiler for Inductor"),
+            (ds_config.pipeline_stages(cfg) > 1, "pipeline stages (not reached)"),
+            (parallel.tensor_size(cfg) * parallel.sequence_size(cfg) > 1, "TP/SP (unmeasured)"),
+            (activation_checkpointing, "activation checkpointing (unmeasured)"),
+            (offload, "parameter offload (unmeasured)"),
+        ],
+        "our model on a CPU with a C++ compiler",
+    )
 
 
 def _hold_weights(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
@@ -153,25 +135,17 @@ def _hold_weights(settings, cfg, host, params, ours, precision) -> tuple[bool, s
                 f"{settings.backend}, ZeRO-{stage}); drop the flag"
             )
         return False, "not ZeRO-3 or FSDP2"
-    accum = int(cfg.get("gradient_accumulation_steps", 1))
-    if fsdp and accum == 1:
-        return False, "FSDP2 without accumulation: nothing to hold across"
+    if fsdp:  # what no flag can change: nothing to hold across, or shards live in host memory
+        if int(cfg.get("gradient_accumulation_steps", 1)) == 1:
+            return False, "FSDP2 without accumulation: nothing to hold across"
+        if settings.fsdp_cpu_offload:
+            return False, "--fsdp-cpu-offload: the shards live in host memory"
     if settings.hold_weights != "auto":
         return settings.hold_weights == "on", f"--hold-weights {settings.hold_weights}"
+    where = (host.world, host.ranks_here, host.memory_bytes, host.device_type)
     if zero3:
-        return plan.zero3_holds_whole(
-            cfg, params, host.world, host.ranks_here, host.memory_bytes, host.device_type
-        )
-    held = 6 * params * host.world  # each rank's bf16 weights and fp32 gradients, whole
-    for off, why in (
-        (settings.fsdp_cpu_offload, "--fsdp-cpu-offload"),
-        (host.device_type != "cpu", f"{host.device_type}, not a CPU (unmeasured)"),
-        (not host.one_host, f"{host.ranks_here} of {host.world} ranks on this host"),
-        (held >= host.memory_bytes / 4, f"{held / GiB:.1f} GiB over a quarter of the host"),
-    ):
-        if off:
-            return False, f"auto: {why}"
-    return True, f"auto: one CPU host, {held / GiB:.2f} GiB held within a quarter of its memory"
+        return plan.zero3_holds_whole(cfg, params, *where)
+    return plan.one_cpu_host_holds(6 * params, *where)  # bf16 weights and fp32 gradients
 
 
 def _zero3_whole_blocks(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
@@ -183,17 +157,17 @@ def _zero3_whole_blocks(settings, cfg, host, params, ours, precision) -> tuple[b
         if settings.zero3_whole_blocks == "on":
             raise ConfigError("--zero3-whole-blocks on: the run is not ZeRO-3; drop the flag")
         return False, "not ZeRO-3"
+    if settings.zero3_whole_blocks != "auto":
+        on = settings.zero3_whole_blocks == "on"
+        return on, f"--zero3-whole-blocks {settings.zero3_whole_blocks}"
     nvme = zero.get("offload_param", {}).get("device") == "nvme"
-    auto = (
-        (False, "auto: parameters on NVMe")
-        if nvme
-        else (
-            (False, f"auto: {host.device_type}, not a CPU (unmeasured)")
-            if host.device_type != "cpu"
-            else (True, "auto: ZeRO-3 on a CPU")
-        )
+    return auto_unless(
+        [
+            (nvme, "parameters on NVMe"),
+            (host.device_type != "cpu", f"{host.device_type}, not a CPU (unmeasured)"),
+        ],
+        "ZeRO-3 on a CPU",
     )
-    return _tri(settings.zero3_whole_blocks, auto, "zero3-whole-blocks")
 
 
 def _grad_sum(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
@@ -204,18 +178,18 @@ def _grad_sum(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
     names its own gradient_allreduce_op."""
     if settings.grad_sum == "off":
         return False, "--grad-sum off"
-    for off, why in (
-        (settings.backend != "deepspeed", "not DeepSpeed"),
-        (ds_config.zero_stage(cfg) not in (1, 2), "not ZeRO-1/2"),
-        (ds_config.pipeline_stages(cfg) > 1, "pipeline"),
-        (host.device_type != "cpu", f"{host.device_type}, not a CPU (unmeasured)"),
-        (parallel.tensor_size(cfg) * parallel.sequence_size(cfg) > 1, "TP/SP"),
-        (precision == "fp16", "fp16 (its loss scale)"),
-        ("gradient_allreduce_op" in cfg, "the config names gradient_allreduce_op"),
-    ):
-        if off:
-            return False, f"auto: {why}"
-    return True, "auto: ZeRO-1/2 on a CPU"
+    return auto_unless(
+        [
+            (settings.backend != "deepspeed", "not DeepSpeed"),
+            (ds_config.zero_stage(cfg) not in (1, 2), "not ZeRO-1/2"),
+            (ds_config.pipeline_stages(cfg) > 1, "pipeline"),
+            (host.device_type != "cpu", f"{host.device_type}, not a CPU (unmeasured)"),
+            (parallel.tensor_size(cfg) * parallel.sequence_size(cfg) > 1, "TP/SP"),
+            (precision == "fp16", "fp16 (its loss scale)"),
+            ("gradient_allreduce_op" in cfg, "the config names gradient_allreduce_op"),
+        ],
+        "ZeRO-1/2 on a CPU",
+    )
 
 
 def _shm_collectives(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
@@ -224,15 +198,18 @@ def _shm_collectives(settings, cfg, host, params, ours, precision) -> tuple[bool
     process group is up (runtime/shm.py; the record's `shm_collectives` says what happened)."""
     if settings.shm_collectives == "off":
         return False, "--shm-collectives off"
-    for off, why in (
-        (settings.backend == "ddp", "DDP (its own reducer)"),
-        (host.world == 1, "one rank"),
-        (host.device_type != "cpu", f"{host.device_type}, not a CPU"),
-        (not host.one_host, f"{host.ranks_here} of {host.world} ranks on this host"),
-    ):
-        if off:
-            return False, f"auto: {why}"
-    return True, "auto: every rank on one CPU host (if the kernel loads)"
+    return auto_unless(
+        [
+            (settings.backend == "ddp", "DDP (its own reducer)"),
+            (host.world == 1, "one rank"),
+            (host.device_type != "cpu", f"{host.device_type}, not a CPU"),
+            (
+                host.ranks_here != host.world,
+                f"{host.ranks_here} of {host.world} ranks on this host",
+            ),
+        ],
+        "every rank on one CPU host (if the kernel loads)",
+    )
 
 
 def _keep_freed_memory(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:

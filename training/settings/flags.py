@@ -314,6 +314,15 @@ class _OneConfig(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
+def auto_unless(blockers, on_why: str) -> tuple[bool, str]:
+    """A switch's "auto" made concrete: off with the first (condition, why) in `blockers` that
+    holds, else on; returns (on, "auto: why")."""
+    for blocked, why in blockers:
+        if blocked:
+            return False, f"auto: {why}"
+    return True, f"auto: {on_why}"
+
+
 def _base_type(t) -> type:
     """int | None -> int."""
     args = [a for a in typing.get_args(t) if a is not type(None)]
