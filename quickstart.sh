@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: set up .venv, prepare the built-in corpus (the Python
 # standard library's source, found on this machine), train the `small` preset with DeepSpeed
-# ZeRO-2 on 2 ranks in bf16, evaluate, export to a Hugging Face folder, and sample from it with
-# stock transformers. Re-running resumes / reuses what is already done.
+# ZeRO-2 on 2 ranks (bf16 where this CPU runs it at least as fast as fp32, else fp32: the
+# config's precision is "auto"), evaluate, export to a Hugging Face folder, and sample from it
+# with stock transformers. Re-running resumes / reuses what is already done.
 #   STEPS=400 RANKS=2 ./quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -16,7 +17,7 @@ RANKS=${RANKS:-2}
 echo "== 1/4 prepare the built-in corpus -> $DATA"
 $PY -m data.prepare --source pystdlib --out "$DATA" --vocab-size 8192 --num-proc 2
 
-echo "== 2/4 train: small preset, ds_configs/zero2.json, $RANKS ranks, bf16, $STEPS steps -> $RUN"
+echo "== 2/4 train: small preset, ds_configs/zero2.json, $RANKS ranks, precision auto, $STEPS steps -> $RUN"
 .venv/bin/deepspeed --num_gpus "$RANKS" --master_port "${MASTER_PORT:-29510}" training/train.py \
   --ds_config ds_configs/zero2.json --data "$DATA" --model small --out "$RUN" \
   --steps "$STEPS" --seq-len 256 --micro-batch 8 --lr 2e-3 --warmup 20 \

@@ -177,9 +177,9 @@ def write_table(rows: list[dict], a) -> None:
     ref = rows[0].get("tokens_per_s")
     import torch
 
-    from training.runtime.flops import cpu_name
+    from benchmarks.host import host_class
 
-    cpu = cpu_name()
+    cpu = host_class()
 
     lines = [
         "# Training throughput",

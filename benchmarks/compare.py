@@ -41,6 +41,11 @@ VARIANTS = {
     "ddp_eager": ("ddp", ["--no-compile"]),
     "zero3_gloo": ("zero3", ["--shm-collectives", "off"]),  # every collective on gloo
     "fsdp_gloo": ("fsdp", ["--shm-collectives", "off"]),
+    # the precision given, where the shipped configs say auto (preflight/precision.py)
+    "zero2_fp32": ("zero2", ["--precision", "fp32"]),
+    "zero2_bf16": ("zero2", ["--precision", "bf16"]),
+    "ddp_fp32": ("ddp", ["--precision", "fp32"]),
+    "ddp_bf16": ("ddp", ["--precision", "bf16"]),
 }
 WARMUP_STEPS = 3  # steps left out of tokens/s (allocation, first-step setup, op caches)
 FLOORS = [  # (run, against, at least x)
@@ -62,7 +67,15 @@ FLOORS = [  # (run, against, at least x)
     ("zero2", "hf_stock", 1.5),
 ]
 # The rows that are loops beside the trainer, not its engines (run_reference starts them).
-LOOPS = ("reference", "reference_sdpa", "plain", "hf_trainer", "hf_stock")
+LOOPS = (
+    "reference",
+    "reference_sdpa",
+    "reference_fp32",
+    "plain",
+    "hf_trainer",
+    "hf_trainer_fp32",
+    "hf_stock",
+)
 # `--peer`: the workload of the peer comparison (issue 17): a 16.9M Llama (`small` with 6
 # layers), sequence 256, micro-batch 8 per rank, no accumulation, 2 ranks x 1 thread, bf16;
 # the four engines, the plain one-process loop, the nanoGPT-style loop and the HF Trainer with
@@ -232,9 +245,12 @@ def run_reference(a, repeat: int = 0, name: str = "reference") -> dict:
         args += ["--micro-batch", str(a.micro_batch * a.ranks)]  # the last flag wins
     if name == "reference_sdpa":
         args += ["--attention", "sdpa"]
-    entry = {"hf_trainer": "--hf-trainer-rank", "hf_stock": "--hf-stock-rank"}.get(
-        name, "--reference"
-    )
+    if name in ("reference_fp32", "hf_trainer_fp32"):
+        # as each runs on a CPU by default: nanoGPT's ctx is nullcontext there, the Trainer's
+        # bf16 is False unless asked
+        args += ["--precision", "fp32"]
+    hf = {"hf_trainer": "--hf-trainer-rank", "hf_trainer_fp32": "--hf-trainer-rank"}
+    entry = {**hf, "hf_stock": "--hf-stock-rank"}.get(name, "--reference")
     p = _torchrun(a, str(Path(__file__).resolve()), [entry, *args], nproc=nproc)
     if p.returncode != 0:
         print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
@@ -244,7 +260,8 @@ def run_reference(a, repeat: int = 0, name: str = "reference") -> dict:
 
 def reference(argv: list[str]) -> None:
     """nanoGPT-style DDP, the loop people write by hand: the same model, data, batch, thread
-    count and precision (bf16 autocast, fused AdamW, no_sync accumulation, clipping)."""
+    count and precision (bf16 autocast, or fp32 with --precision fp32 as nanoGPT runs on a CPU;
+    fused AdamW, no_sync accumulation, clipping)."""
     import resource
 
     import torch
@@ -267,7 +284,9 @@ def reference(argv: list[str]) -> None:
     set_attention_kernel(model, pick_attention_kernel(s.attention, "cpu", s.seq_len))
     # The ceiling of this run, measured as the trainer measures its own (runtime/flops.py).
     shapes = model_shapes(model.config, s.micro_batch * s.seq_len)
-    ceiling = run_ceiling(torch.device("cpu"), torch.bfloat16, shapes).per_rank
+    low = s.precision != "fp32"  # bf16 autocast unless fp32 is asked
+    dtype = torch.bfloat16 if low else torch.float32
+    ceiling = run_ceiling(torch.device("cpu"), dtype, shapes).per_rank
     ddp = DDP(model)
     decay = DEFAULTS["weight_decay"] if s.weight_decay is None else s.weight_decay
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=decay, fused=True)
@@ -279,7 +298,7 @@ def reference(argv: list[str]) -> None:
         for micro in range(s.grad_accum):
             x, y = loader.next_batch()
             ddp.require_backward_grad_sync = micro == s.grad_accum - 1
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
                 loss = ddp(input_ids=x, labels=y, shift_labels=y).loss / s.grad_accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -289,7 +308,7 @@ def reference(argv: list[str]) -> None:
         times.append(time.perf_counter() - t)
     # A probe taken in one of the host's slow spells reads low (an MFU of 140% was seen):
     # the higher of the start's and the end's, as the trainer raises its own (loop/loop.py).
-    ceiling = max(ceiling, run_ceiling(torch.device("cpu"), torch.bfloat16, shapes).per_rank)
+    ceiling = max(ceiling, run_ceiling(torch.device("cpu"), dtype, shapes).per_rank)
     tokens = s.micro_batch * s.grad_accum * world * s.seq_len
     tps = statistics.median(tokens / t for t in times[WARMUP_STEPS:] or times)
     fpt = flops_per_token(
@@ -339,9 +358,9 @@ def machine() -> str:
     import deepspeed
     import torch
 
-    from training.runtime.flops import cpu_name
+    from benchmarks.host import host_class
 
-    cpu = cpu_name()
+    cpu = host_class()
     return (
         f"{cpu}, {os.cpu_count()} cores, no GPU (gloo), torch {torch.__version__}, "
         f"deepspeed {deepspeed.__version__}"
@@ -489,6 +508,8 @@ def _label(name: str) -> str:
         "plain": "plain loop (1 process, all cores)",
         "hf_trainer": "HF Trainer + DeepSpeed `zero2` (peer)",
         "reference_sdpa": "nanoGPT-style DDP, SDPA attention (as people run it)",
+        "reference_fp32": "nanoGPT-style DDP in fp32 (as nanoGPT runs on a CPU)",
+        "hf_trainer_fp32": "HF Trainer + DeepSpeed ZeRO-2 in fp32 (its default, bf16=False)",
         "hf_stock": "HF Trainer + DeepSpeed `zero2`, transformers' Llama (as people run it)",
         "fsdp_shard": "FSDP2, sharded across micro-steps",
         "zero3_shard": "DeepSpeed `zero3`, sharded across micro-steps",
@@ -640,7 +661,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: ddp, fsdp, ds_configs names, and the variants fsdp_shard and "
         "zero3_shard (--hold-weights off), zero2_mean (--grad-sum off), zero2_eager, "
         "zero3_eager and ddp_eager (--no-compile), zero3_gloo and fsdp_gloo "
-        "(--shm-collectives off) (default: all but the variants)",
+        "(--shm-collectives off), zero2_fp32, zero2_bf16, ddp_fp32 and ddp_bf16 (--precision), "
+        "and the loops by name (reference_fp32: nanoGPT's fp32 on a CPU) (default: all but the "
+        "variants)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")
     p.add_argument(
@@ -678,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps <= WARMUP_STEPS:
         print(f"error: --steps must be more than {WARMUP_STEPS} (the warm-up)", file=sys.stderr)
         return 2
-    unknown = set(a.engines.split(",")) - set(NATIVE + list(VARIANTS) + ds_config_names())
+    known = NATIVE + list(VARIANTS) + ds_config_names() + list(LOOPS)
+    unknown = set(a.engines.split(",")) - set(known)
     if unknown:
         print(
             f"error: unknown engines {sorted(unknown)}; choose from ddp, fsdp, "
@@ -697,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     names = ([] if a.no_reference else ["reference"]) + (["plain"] if a.plain else [])
     names += ["hf_trainer"] if a.hf_trainer else []
     names += ["reference_sdpa", "hf_stock"] if a.stock_peers else []
-    names += a.engines.split(",")
+    names = list(dict.fromkeys(names + a.engines.split(",")))  # a loop may be named twice
     results: dict[str, list[dict]] = {name: [] for name in names}
     # The floors' runs go first and back to back: the host's speed drifts over minutes, and a
     # ratio is only as good as the closeness in time of its two runs.

@@ -88,7 +88,7 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
         learning_rate=s.lr,
         warmup_steps=s.warmup or 0,
         max_grad_norm=1.0,
-        bf16=True,
+        bf16=s.precision != "fp32",  # --precision fp32: the Trainer's own default (bf16=False)
         use_cpu=True,
         deepspeed=ds,
         optim="adamw_torch_fused",
@@ -99,7 +99,8 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.bfloat16)
+    dtype = torch.float32 if s.precision == "fp32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(s.model, dtype=dtype)
     if stock:
         model = as_transformers_llama(model)
     else:
@@ -107,10 +108,10 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=Windows(), callbacks=[StepTimes()])
     # The ceiling as the trainer measures its own (after the process group exists).
     shapes = model_shapes(model.config, s.micro_batch * s.seq_len)
-    ceiling = run_ceiling(torch.device("cpu"), torch.bfloat16, shapes).per_rank
+    ceiling = run_ceiling(torch.device("cpu"), dtype, shapes).per_rank
     trainer.train()
     # the higher of a start and an end probe: one taken in a slow spell of the host reads low
-    ceiling = max(ceiling, run_ceiling(torch.device("cpu"), torch.bfloat16, shapes).per_rank)
+    ceiling = max(ceiling, run_ceiling(torch.device("cpu"), dtype, shapes).per_rank)
     tokens = s.micro_batch * s.grad_accum * world * s.seq_len
     tps = statistics.median(tokens / t for t in times[warmup_steps:] or times)
     n = sum(p.numel() for p in model.parameters())

@@ -11,6 +11,7 @@ from conftest import TINY_RUN, launch, read_metrics
 
 from models import build_model, compile_blocks
 from training.preflight import compile_by_default
+from training.preflight.switches import COMPILE_PAYS_AFTER
 from training.settings import ds_config
 
 
@@ -28,8 +29,8 @@ def test_the_blocks_forward_is_what_gets_compiled():
 def test_compile_by_default_where_it_was_measured():
     load = lambda name: ds_config.load_json(f"ds_configs/{name}.json")  # noqa: E731
 
-    def on(name, device="cpu", ckpt=False, ours=True):
-        value, why = compile_by_default(load(name), device, ckpt, ours=ours)
+    def on(name, device="cpu", ckpt=False, ours=True, steps=200):
+        value, why = compile_by_default(load(name), device, ckpt, ours=ours, steps=steps)
         assert why.startswith("auto: "), why
         return value
 
@@ -39,6 +40,9 @@ def test_compile_by_default_where_it_was_measured():
     assert not on("pipeline")
     assert not on("zero3_offload")
     assert not on("zero2", ours=False)
+    # A run too short to pay the first step's compile back stays eager (COMPILE_PAYS_AFTER).
+    assert not on("zero2", steps=20) and on("zero2", steps=COMPILE_PAYS_AFTER)
+    assert "20 steps" in compile_by_default(load("zero2"), "cpu", False, steps=20)[1]
 
 
 @pytest.mark.slow
@@ -49,7 +53,8 @@ def test_compiled_blocks_train_like_eager(tiny_data, tmp_path, engine):
     compile too: their hooks run outside the compiled forward, so nothing recompiles per
     block (FSDP2 here holding its weights across the micro-steps)."""
     losses, logs = {}, {}
-    for name, extra in (("eager", ["--no-compile"]), ("compiled", [])):
+    # A 4-step run is too short for compiling by default (COMPILE_PAYS_AFTER): --compile asks.
+    for name, extra in (("eager", ["--no-compile"]), ("compiled", ["--compile"])):
         out = tmp_path / name
         run = [a for a in TINY_RUN if a != "--no-compile"]  # the default, as a user gets it
         args = ["--data", str(tiny_data), "--out", str(out), *run, "--steps", "4"]
@@ -65,10 +70,7 @@ def test_compiled_blocks_train_like_eager(tiny_data, tmp_path, engine):
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=2e-3)
     record = json.loads((tmp_path / "compiled" / "resolved_config.json").read_text())
     assert record["compiled"] == "2 x Block"
-    assert record["switches"]["compile"] == {
-        "on": True,
-        "why": "auto: our model on a CPU with a C++ compiler",
-    }
+    assert record["switches"]["compile"] == {"on": True, "why": "--compile"}
     eager = json.loads((tmp_path / "eager" / "resolved_config.json").read_text())
     assert eager["switches"]["compile"] == {"on": False, "why": "--no-compile"}
     assert json.loads((tmp_path / "eager" / "resolved_config.json").read_text())["compiled"] is None

@@ -20,10 +20,27 @@ def test_shm_collectives_match_gloo_and_leave_nothing_behind():
     if not shm_has_room():
         pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
     r = launch([], script="tests/scripts/shm_collectives.py")
+    _check_routed(json.loads(next(x for x in r.stdout.splitlines() if x.startswith("{"))))
+
+
+def test_shm_collectives_on_an_avx2_host_route_float32_only():
+    """DeepSpeed's kernel on a CPU with AVX2 but no AVX-512 (level 1, simulated here where the
+    host has AVX-512) reduces float32 only: the bf16/fp16 calls go to gloo and are still right,
+    and everything else holds as on an AVX-512 host."""
+    if not shm_has_room():
+        pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
+    r = launch(["level1"], script="tests/scripts/shm_collectives.py")
     out = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("{")))
+    assert out["level"] == 1
+    _check_routed(out)
+
+
+def _check_routed(out: dict) -> None:
     assert out["routed"] is True
     assert out["segments_left"] == []
-    assert out["gloo_calls_routed"] == 0  # every call above went through shared memory
+    # Level 2 (AVX-512): every call above went through shared memory. Level 1 (AVX2 only): the
+    # 20 bf16/fp16 sums, gathers and scatters went to gloo (as seen on an AMD Zen 3 host).
+    assert out["gloo_calls_routed"] == (0 if out["level"] >= 2 else 20)
     assert out["gloo_calls_fallback"] == 4  # MAX, non-contiguous, int64, sub-group
     assert out["gathers"] and all(out["gathers"].values()), out["gathers"]
     assert out["fsdp"] and all(out["fsdp"].values()), out["fsdp"]  # FSDP2's, bitwise gloo's

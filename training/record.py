@@ -18,6 +18,7 @@ import transformers
 from data import BatchLoader
 from data.mixture import parse_spec
 from training.runtime import cluster
+from training.runtime.shm import routed_dtypes as shm_routed_dtypes
 from training.settings import ds_config, parallel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,6 +73,8 @@ def run_record(
         # every behaviour switch as preflight resolved it, and why (training/preflight/switches.py)
         "switches": prepared.switches.as_record(),
         "shm_collectives": shm,
+        # what the route reduces in shared memory on this CPU (the rest goes to gloo)
+        "shm_collectives_dtypes": shm_routed_dtypes() if shm else [],
         # ZeRO-3 gathers each transformer block whole (engines/ds.py: gather_blocks_whole)
         "zero3_blocks_whole": engine.blocks_whole,
         # ZeRO-3 and FSDP2 keeping weights gathered across micro-steps (one CPU host)
@@ -80,6 +83,8 @@ def run_record(
         "gradients_summed": engine.sums_gradients,
         "device": str(dist.device),
         "precision": prepared.precision,
+        # what was asked, what was picked and why, the rates it was measured by (CPU)
+        "precision_choice": prepared.precision_choice.as_record(),
         "peak_flops_per_rank": ceiling.per_rank,  # what MFU divides by, times world
         "peak_flops": ceiling.as_record(),  # where that came from, each rank's probe
         "versions": versions(),
@@ -125,6 +130,7 @@ def trainer_facts(record: dict) -> dict:
         "data_dir": record["data"]["dir"],
         "seq_len": flags["seq_len"],
         "model_config": record["model_config"],
+        "precision": record["precision"],  # an "auto" resume keeps it (exact resume)
     }
 
 
@@ -137,7 +143,7 @@ def banner(record: dict, batch: tuple[int, int, int, int]) -> str:
     micro, accum, dp, seq = batch
     line = (
         f"zerostack: {flags['backend']} | {Path(record['ds_config_file']).name} ({how}) | "
-        f"{record['precision']} | world {record['world']} ({comm}) | model {flags['model']} "
+        f"{_precision(record)} | world {record['world']} ({comm}) | model {flags['model']} "
         f"{record['n_params'] / 1e6:.2f}M params | batch {micro}x{accum}x{dp}x{seq} tokens"
     )
     if record["pipeline"]:
@@ -146,6 +152,16 @@ def banner(record: dict, batch: tuple[int, int, int, int]) -> str:
         sizes = {k: v for k, v in record["parallel"].items() if k != "data"}
         line += " | " + parallel.Layout(**sizes).describe()
     return line
+
+
+def _precision(record: dict) -> str:
+    """The banner's precision: what runs, and for "auto" why (both rates, where measured)."""
+    choice = record.get("precision_choice") or {}
+    if choice.get("asked") != "auto":
+        return record["precision"] + (
+            " (slow here: see the warning)" if choice.get("warning") else ""
+        )
+    return f"{record['precision']} (auto: {choice['why']})"
 
 
 def resumed(plan) -> str:

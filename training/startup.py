@@ -1,4 +1,5 @@
-"""A run's first collective steps, on every rank: the process group, the run folder's lock (taken
+"""A run's first collective steps, on every rank: the process group, the precision a CPU measures
+(every rank at once, so all decide alike), the run folder's lock (taken
 before anything is written there), the resume plan verified by all ranks together (falling back
 past a corrupt checkpoint with --resume auto), accelerate's process state, DeepSpeed's comm
 layer with its shared-memory route, and the universal copy a resume on another topology needs."""
@@ -12,9 +13,10 @@ from pathlib import Path
 from training.checkpoints import universal
 from training.checkpoints.resume import ResumePlan, verify_resume
 from training.errors import BAD_INPUT, CheckpointError, ConfigError
-from training.preflight import Prepared, rank0_printer
+from training.preflight import Prepared, probe_dtypes, rank0_printer, settle_precision
 from training.runtime import cluster, distributed, runlock
 from training.runtime.distributed import DistInfo
+from training.runtime.flops import DTYPES, model_shapes, probe_ranks
 from training.runtime.shm import shared_memory_collectives
 from training.settings.flags import Settings
 
@@ -24,6 +26,8 @@ class Started:
     """The process group and what was decided once it was up."""
 
     dist: DistInfo
+    prepared: Prepared  # its precision settled (a CPU's "auto" measured)
+    probed: dict | None  # {dtype: each rank's matmul FLOP/s} on the model's shapes, if measured
     resume: ResumePlan | None
     ds_config: dict  # the prepared one, asking for a universal load when the plan says so
     shm: bool  # DeepSpeed's collectives go through shared memory
@@ -39,6 +43,7 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
         local_rank_arg=settings.local_rank,
         keep_freed=switches.keep_freed_memory,
     )
+    prepared, probed = settle(settings, prepared, dist)
     hold_run_folder(run_dir, dist)
     resume = prepared.resume
     if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
@@ -54,7 +59,22 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     if resume is not None and resume.universal:
         universal_copy(resume, dist)
         cfg = {**cfg, "checkpoint": {**cfg.get("checkpoint", {}), "load_universal": True}}
-    return Started(dist, resume, cfg, shm, accelerate)
+    return Started(dist, prepared, probed, resume, cfg, shm, accelerate)
+
+
+def settle(settings: Settings, prepared: Prepared, dist: DistInfo) -> tuple[Prepared, dict | None]:
+    """The precision a CPU measures: bf16 against fp32 on the model's matmul shapes, every rank
+    at once with the threads it trains with (preflight/precision.py decides on the mean); the
+    rates are kept for the run's MFU ceiling. A slow explicit choice is said once, on rank 0."""
+    wanted = probe_dtypes(prepared)
+    if not wanted:
+        return prepared, None
+    shapes = model_shapes(prepared.model_config, prepared.micro_batch * settings.seq_len)
+    probed = probe_ranks(dist.device, [DTYPES[n] for n in wanted], shapes)
+    prepared = settle_precision(settings, prepared, probed)
+    if prepared.precision_choice.warning:
+        rank0_printer(dist.rank)(prepared.precision_choice.warning)
+    return prepared, probed
 
 
 def hold_run_folder(run_dir: Path, dist: DistInfo) -> None:

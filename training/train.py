@@ -53,13 +53,12 @@ from training.record import (
 )
 from training.runtime import distributed, signals
 from training.runtime.distributed import DistInfo
-from training.runtime.flops import ceiling_drift, model_shapes, run_ceiling
+from training.runtime.flops import DTYPES, ceiling_drift, model_shapes, run_ceiling
 from training.settings import nvme
 from training.settings.flags import Settings, parser
 from training.startup import Started, give_back_untouched, start
 
 __all__ = ["Settings", "main", "parser"]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +78,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
     """Every rank: train as the settings and the preflight's findings say."""
     run_dir = Path(settings.out)
     started = start(settings, prepared, run_dir)
-    dist = started.dist
+    dist, prepared = started.dist, started.prepared  # its precision settled
     done = started.resume.trainer_state()["step"] if started.resume else 0
     if done >= settings.steps:  # a launch that changes nothing rewrites nothing of the run
         if dist.is_main:
@@ -93,9 +92,10 @@ def train(settings: Settings, prepared: Prepared) -> int:
     resume = started.resume
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
     dtype = DTYPES[prepared.precision]
-    # Measured now, by all ranks at once, on this model's matmul shapes (runtime/flops.py).
+    # Measured by all ranks at once, on this model's matmul shapes (runtime/flops.py): at the
+    # start, where a CPU chose its precision by it, else now.
     shapes = model_shapes(facts["model_config"], prepared.micro_batch * settings.seq_len)
-    ceiling = run_ceiling(dist.device, dtype, shapes, settings.peak_tflops)
+    ceiling = run_ceiling(dist.device, dtype, shapes, settings.peak_tflops, started.probed)
     record = run_record(
         flags={**settings.as_flags(), **prepared.effective_flags, "attention": prepared.attention},
         prepared=prepared,
@@ -109,6 +109,10 @@ def train(settings: Settings, prepared: Prepared) -> int:
         ceiling=ceiling,
     )
     logger = open_logger(settings, prepared, record, engine.dp_world, state.step, started)
+    choice = prepared.precision_choice
+    logger.log(
+        {"kind": "precision", "step": state.step, **choice.as_record(), "note": choice.line()}
+    )
     first = {"kind": "ceiling", "when": "start", "step": state.step, **ceiling.as_record()}
     logger.log({**first, "note": ceiling.describe(dtype)})
 

@@ -14,6 +14,13 @@ import torch.distributed as dist
 from training.runtime import distributed, shm
 
 info = distributed.setup(timeout_s=60)
+if "level1" in sys.argv[1:]:
+    # A CPU with AVX2 but no AVX-512 (AMD Zen 3, older Intel): DeepSpeed's kernel reports level 1
+    # there and takes float32 only. Simulated by starting DeepSpeed's comm layer first (with its
+    # segments: LOCAL_SIZE, which torchrun does not set) and lowering the level it read.
+    os.environ.setdefault("LOCAL_SIZE", os.environ["LOCAL_WORLD_SIZE"])
+    ds.init_distributed(dist_backend=info.backend)
+    ds.comm.cdb.shm_vector_kernel_level = 1
 routed = shm.shared_memory_collectives(wanted=sys.argv[1:] != ["off"])  # --shm-collectives
 ds.init_distributed(dist_backend=info.backend)  # a no-op when the route did it
 rank, world = info.rank, info.world
@@ -29,6 +36,7 @@ def counted(*args, **kwargs):  # DeepSpeed's gloo path calls torch.distributed.a
 dist.all_reduce = counted
 out = {
     "routed": routed,
+    "level": getattr(ds.comm.cdb, "shm_vector_kernel_level", 0),
     "segments_left": sorted(
         n for n in os.listdir("/dev/shm") if n.endswith(f"_{os.environ['MASTER_PORT']}_{rank}")
     ),

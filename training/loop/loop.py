@@ -59,33 +59,45 @@ class LoopConfig:
 @dataclass
 class LiveCeiling:
     """What MFU divides by: the matmul peak of all ranks together. A step that beats it shows
-    the run measured its ceiling in a slow spell of a shared host; `reprobe` (measured
-    ceilings only) then measures again, all ranks at once, and the higher figure stands."""
+    the ceiling is wrong: measured in a slow spell of a shared host, or not describing the path
+    the model's products take. `reprobe` (measured ceilings only) then measures again, all ranks
+    at once, and the higher figure stands; a step that still beats it (or a given ceiling) is
+    itself the best rate seen, and becomes the ceiling, so a logged MFU is never above 100%."""
 
     peak_flops: float
     reprobe: Callable[[], float] | None = None
     ranks: int = 1  # for the note's per-rank figures
 
     def check(self, flops_per_s: float, logger, step: int, timer) -> None:
-        """Measure again when `flops_per_s` beat the ceiling. All ranks call with the same
-        figure (an all-reduced one): the probe is collective."""
-        if flops_per_s > self.peak_flops and self.reprobe is not None:
+        """Raise the ceiling when `flops_per_s` beat it. All ranks call with the same figure
+        (an all-reduced one): the probe is collective."""
+        if flops_per_s <= self.peak_flops:
+            return
+        before, fresh = self.peak_flops, None
+        if self.reprobe is not None:
             with timer.paused():
                 fresh = self.reprobe()
-            before, self.peak_flops = self.peak_flops, max(self.peak_flops, fresh)
-            logger.log(
-                {
-                    "kind": "ceiling",
-                    "when": "raised",
-                    "step": step,
-                    "per_rank_flops": fresh / self.ranks,
-                    "note": f"step {step} ran faster than the matmul ceiling "
-                    f"({before / self.ranks / 1e9:,.0f} GFLOP/s per rank), which was measured "
-                    f"in a slow spell of the host; measured again: "
-                    f"{fresh / self.ranks / 1e9:,.0f}; MFU from here on is against "
-                    f"{self.peak_flops / self.ranks / 1e9:,.0f}",
-                }
-            )
+        self.peak_flops = max(before, fresh or 0.0, flops_per_s)
+
+        def per_rank(flops: float) -> str:
+            return f"{flops / self.ranks / 1e9:,.0f}"
+
+        note = (
+            f"step {step} ran faster than the matmul ceiling ({per_rank(before)} GFLOP/s per rank)"
+        )
+        if fresh is not None:
+            note += f", which was measured in a slow spell of the host; measured again: {per_rank(fresh)}"
+        if self.peak_flops == flops_per_s:
+            note += "; the step's own rate is the best seen and stands as the ceiling"
+        logger.log(
+            {
+                "kind": "ceiling",
+                "when": "raised",
+                "step": step,
+                "per_rank_flops": self.peak_flops / self.ranks,
+                "note": f"{note}; MFU from here on is against {per_rank(self.peak_flops)}",
+            }
+        )
 
 
 @dataclass(frozen=True)

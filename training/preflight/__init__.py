@@ -1,15 +1,17 @@
 """Everything that can be checked before any process group or model exists, and every choice
 made once for the whole run: the flags and the launcher's environment (command_line.py), the
 run folder (run_folder.py), the DeepSpeed config (resolved by training/settings/ds_config.py),
-the data, the model's config (model_folder.py), what the engine can do (engine.py), the memory
-plan (memory.py), what to resume from (resume.py), and the behaviour switches (switches.py). A
-failure is one line, and nothing was written. This package is the one place below train.py
-that reads the environment to decide anything (the launcher's layout, the host's memory)."""
+the data, the model's config (model_folder.py), the precision (precision.py), what the engine
+can do (engine.py), the memory plan (memory.py), what to resume from (resume.py), and the
+behaviour switches (switches.py). A failure is one line, and nothing was written. A CPU's
+precision is measured once the process group is up (`settle_precision`, called from
+startup.py), every rank at once. This package is the one place below train.py that reads the
+environment to decide anything (the launcher's layout, the host's memory)."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from data import load_data
@@ -20,6 +22,7 @@ from training.checkpoints.universal import Topology
 from training.engines.base import OptimizerConfig
 from training.loop.schedule import Schedule
 from training.memory.plan import shape_of_config
+from training.preflight import precision as precisions
 from training.preflight.command_line import check_flags, check_launch_env
 from training.preflight.engine import check_engine, check_parallel
 from training.preflight.memory import check_memory
@@ -29,15 +32,23 @@ from training.preflight.model_folder import (
     model_config,
     model_overrides,
 )
+from training.preflight.precision import Precision
 from training.preflight.resume import check_resume_shape
 from training.preflight.run_folder import check_out
-from training.preflight.switches import Switches, compile_by_default, resolve_switches, this_host
+from training.preflight.switches import (
+    Host,
+    Switches,
+    compile_by_default,
+    resolve_switches,
+    this_host,
+)
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, nvme, parallel
 from training.settings.flags import Settings
 
 __all__ = [
+    "Precision",
     "Prepared",
     "Switches",
     "compile_by_default",
@@ -45,6 +56,7 @@ __all__ = [
     "model_overrides",
     "prepare_run",
     "rank0_printer",
+    "settle_precision",
 ]
 
 
@@ -54,7 +66,11 @@ class Prepared:
 
     ds_config: dict  # resolved: no "auto" left, the batch triplet derived
     config_path: str
-    precision: str
+    precision: str  # bf16 | fp16 | fp32: what the run trains in (planned, until settled)
+    precision_asked: str  # auto | bf16 | fp16 | fp32
+    # Why, and the rates measured; None until settle_precision (a CPU measures once the process
+    # group is up)
+    precision_choice: Precision | None
     manifest: Manifest
     model_config: object  # the model's config (ours or any HF one), not the model
     topology: Topology  # this run's: what a checkpoint's files depend on
@@ -66,6 +82,10 @@ class Prepared:
     model_overrides: dict | None = None  # config fields the model is built with (positions)
     attention: str = "sdpa"  # our model's attention kernel, --attention made concrete
     switches: Switches = Switches()  # every behaviour switch, resolved (switches.py)
+    # What settle_precision re-resolves the config from when a CPU's measurement changes the plan
+    raw_config: dict | None = None  # flags applied, precision not
+    host: Host | None = None
+    shape: object = None  # the model's counted shape (memory/plan.py)
 
     @property
     def compile(self) -> bool:
@@ -121,10 +141,13 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     }
     shape = shape_of_config(model_cfg, settings.model)  # counted on the meta device
     host = this_host(settings, device, world)
-    cfg, switches = resolve_config(settings, raw, flags, cfg_path, host, shape, model_cfg)
+    want = precisions.asked(settings.precision, raw, cfg_path)
+    precision = precisions.PLANNED if want == "auto" else want  # chosen at the end
+    cfg, switches = resolve_config(
+        settings, precisions.apply(raw, precision), flags, cfg_path, host, shape, model_cfg
+    )
     if settings.backend == "deepspeed" and nvme.nvme_sections(cfg):
         nvme.check_aio(cfg_path)
-    precision = settings.precision or ds_config.precision(cfg)
     check_engine(settings, cfg, cfg_path, precision)
     check_model(settings, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
     attention = pick_attention_kernel(
@@ -146,10 +169,12 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     if resume is not None:
         check_resume_shape(resume, model_cfg, settings.model)
     optimizer, schedule = ds_config.hyperparameters(cfg, flags, cfg_path)
-    return Prepared(
+    prepared = Prepared(
         ds_config=cfg,
         config_path=cfg_path,
         precision=precision,
+        precision_asked=want,
+        precision_choice=None,
         manifest=manifest,
         model_config=model_cfg,
         topology=now,
@@ -162,6 +187,77 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         model_overrides=overrides,
         attention=attention,
         switches=switches,
+        raw_config=raw,
+        host=host,
+        shape=shape,
+    )
+    return choose_precision(settings, prepared)
+
+
+def choose_precision(settings: Settings, prepared: Prepared) -> Prepared:
+    """The precision where it needs no measurement: an "auto" resume keeps its checkpoint's, a
+    GPU takes what it supports, fp32 is fp32. A CPU's "auto", bf16 or fp16 is measured once the
+    process group is up (settle_precision)."""
+    want, device, resume = prepared.precision_asked, prepared.host.device_type, prepared.resume
+    if want == "auto" and resume is not None and resume.trainer_state().get("precision"):
+        # An exact resume continues in the precision its optimizer states were saved in.
+        kept = resume.trainer_state()["precision"]
+        why = f"resuming {resume.tag}, saved in {kept}"
+        return repick(settings, prepared, Precision(kept, "auto", why))
+    if not precisions.needs_probe(want, device):
+        bf16 = device == "cpu" or accelerator().is_bf16_supported()
+        return repick(settings, prepared, precisions.decide(want, device, bf16_supported=bf16))
+    return prepared
+
+
+def settle_precision(
+    settings: Settings, prepared: Prepared, probed: dict[str, tuple[float, ...]]
+) -> Prepared:
+    """A CPU's precision, decided on the rates every rank measured together (`probed`: each
+    rank's FLOP/s by dtype, runtime/flops.py: probe_ranks), the same on every rank. A run
+    whose precision was already chosen is returned as it is."""
+    if prepared.precision_choice is not None:
+        return prepared
+    rates = {name: sum(r) / len(r) for name, r in probed.items()}
+    device = prepared.host.device_type
+    return repick(
+        settings, prepared, precisions.decide(prepared.precision_asked, device, rates=rates)
+    )
+
+
+def probe_dtypes(prepared: Prepared) -> list[str]:
+    """What settle_precision needs measured: the asked 16-bit dtype (bf16 for auto) and fp32;
+    nothing once the precision is chosen."""
+    if prepared.precision_choice is not None:
+        return []
+    asked = prepared.precision_asked
+    return ["bf16" if asked == "auto" else asked, "fp32"]
+
+
+def repick(settings: Settings, prepared: Prepared, choice: Precision) -> Prepared:
+    """The prepared run in `choice`'s precision: where it differs from what was planned, the
+    config and the switches resolved anew, and the engine and memory checks run again."""
+    if choice.name == prepared.precision:
+        return replace(prepared, precision_choice=choice)
+    flags = {
+        **settings.as_flags(),
+        **nvme.auto_values(settings.nvme_path, Path(settings.out), prepared.model_config),
+    }
+    raw, path, host = prepared.raw_config, prepared.config_path, prepared.host
+    cfg, switches = resolve_config(
+        settings,
+        precisions.apply(raw, choice.name),
+        flags,
+        path,
+        host,
+        prepared.shape,
+        prepared.model_config,
+    )
+    check_engine(settings, cfg, path, choice.name)
+    if settings.backend == "deepspeed":
+        check_memory(settings, cfg, path, prepared.shape, host.world, host.ranks_here)
+    return replace(
+        prepared, ds_config=cfg, switches=switches, precision=choice.name, precision_choice=choice
     )
 
 
@@ -181,7 +277,7 @@ def resolve_config(
     )
     cfg = ds_config.resolve(raw, **kw)
     ours = getattr(model_cfg, "model_type", "?") in ("zerostack", "llama")
-    precision = settings.precision or ds_config.precision(cfg)
+    precision = ds_config.precision(cfg)
     switches = resolve_switches(settings, cfg, host, shape.params, ours=ours, precision=precision)
     if switches.hold_weights and ds_config.zero_stage(cfg) == 3:
         cfg = ds_config.resolve(raw, hold_weights=True, **kw)

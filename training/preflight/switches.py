@@ -23,6 +23,11 @@ from training.settings import ds_config, parallel
 from training.settings.flags import Settings, auto_unless
 
 GiB = 2**30
+# Compiling the blocks costs its first step 17-25 s on a 2-core CPU (small preset; 18.6 s in
+# bf16 on AVX512-BF16, 24.6 s in fp32 on AVX2; 118 s in bf16 on AVX2, which auto no longer
+# picks) and saves 12-16% of every later step (0.2 s a step of the quickstart): it pays back
+# after about 80-100 steps (docs/benchmarks.md, "What compiling costs"). A shorter run stays eager.
+COMPILE_PAYS_AFTER = 100  # steps
 
 
 @dataclass(frozen=True)
@@ -91,17 +96,23 @@ def _compile(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
     if settings.compile is not None:
         return settings.compile, "--compile" if settings.compile else "--no-compile"
     checkpointing = ds_config.activation_checkpointing(cfg, settings.as_flags())
-    return compile_by_default(cfg, host.device_type, checkpointing, ours=ours)
+    steps = min(settings.steps, settings.stop_at or settings.steps)
+    return compile_by_default(cfg, host.device_type, checkpointing, ours=ours, steps=steps)
 
 
 def compile_by_default(
-    cfg: dict, device_type: str, activation_checkpointing: bool, ours: bool = True
+    cfg: dict,
+    device_type: str,
+    activation_checkpointing: bool,
+    ours: bool = True,
+    steps: int = COMPILE_PAYS_AFTER,
 ) -> tuple[bool, str]:
     """Whether a run that says neither --compile nor --no-compile compiles its blocks, and why:
     where it was measured to win (docs/benchmarks.md): our model (a preset, our folder or a
-    Llama folder) on a CPU with a C++ compiler for Inductor, and none of what it was not
-    measured with (pipeline stages, which it does not reach; tensor or sequence parallelism;
-    activation checkpointing; parameter offload). Other models and GPUs keep it opt-in."""
+    Llama folder) on a CPU with a C++ compiler for Inductor, a run of `steps` long enough to pay
+    the compile back, and none of what it was not measured with (pipeline stages, which it does
+    not reach; tensor or sequence parallelism; activation checkpointing; parameter offload).
+    Other models and GPUs keep it opt-in."""
     zero = cfg.get("zero_optimization", {})
     offload = str(zero.get("offload_param", {}).get("device", "none")).lower() != "none"
     return auto_unless(
@@ -113,8 +124,12 @@ def compile_by_default(
             (parallel.tensor_size(cfg) * parallel.sequence_size(cfg) > 1, "TP/SP (unmeasured)"),
             (activation_checkpointing, "activation checkpointing (unmeasured)"),
             (offload, "parameter offload (unmeasured)"),
+            (
+                steps < COMPILE_PAYS_AFTER,
+                f"{steps} steps: compiling pays back after about {COMPILE_PAYS_AFTER}",
+            ),
         ],
-        "our model on a CPU with a C++ compiler",
+        f"our model on a CPU with a C++ compiler, {steps} steps",
     )
 
 

@@ -51,14 +51,26 @@ PROBE_ROWS = 1024  # tokens per probed product: larger adds time, not speed
 DRIFT_WARN = 0.10  # the end's ceiling this far from the start's: the host changed speed
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
 @dataclass(frozen=True)
 class Ceiling:
-    """The peak one rank's MFU divides by, and where it came from."""
+    """The peak one rank's MFU divides by, and where it came from. Measured on a CPU, it is the
+    faster of the run's dtype and fp32 on the model's shapes: the path a product can take (a
+    compiled bf16 graph on a CPU without bf16 units was seen to beat the eager bf16 probe, by
+    computing in fp32), so no step can honestly beat it."""
 
     per_rank: float  # FLOP/s
     source: str  # "measured", "--peak-tflops", "vendor table (NAME)"
     ranks: tuple[float, ...] = ()  # each rank's own measurement (measured only)
     shapes: tuple[tuple[int, int, int], ...] = field(default=())
+    dtype: str = ""  # the dtype whose rate is the ceiling (measured only)
+    rates: dict = field(default_factory=dict)  # {dtype: mean FLOP/s per rank}, each probed
 
     @property
     def measured(self) -> bool:
@@ -66,12 +78,14 @@ class Ceiling:
 
     def describe(self, dtype: torch.dtype) -> str:
         """One line for the console: MFU is against what."""
-        what = str(dtype).removeprefix("torch.")
+        what = self.dtype or str(dtype).removeprefix("torch.")
         line = f"MFU against {self.per_rank / 1e9:,.0f} GFLOP/s per rank ({what} matmul, "
         if not self.measured:
             return line + f"{self.source})"
         spread = f"ranks {min(self.ranks) / 1e9:,.0f}-{max(self.ranks) / 1e9:,.0f}"
-        return line + f"measured now on all ranks at once, {spread}, {len(self.shapes)} shapes)"
+        others = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in self.rates.items() if k != what)
+        line += f"measured now on all ranks at once, {spread}, {len(self.shapes)} shapes"
+        return line + (f"; {others})" if others else ")")
 
     def as_record(self) -> dict:
         return {
@@ -79,6 +93,8 @@ class Ceiling:
             "source": self.source,
             "ranks_flops": list(self.ranks),
             "shapes_mkn": [list(s) for s in self.shapes],
+            "dtype": self.dtype,
+            "rates_flops": dict(self.rates),
         }
 
 
@@ -111,34 +127,71 @@ def measure_flops(
     shapes: list[tuple[int, int, int]],
     seconds: float = PROBE_SECONDS,
 ) -> float:
-    """This process's matmul FLOP/s on `shapes`: each shape timed in rounds, its median kept,
-    the best shape's median returned (the ceiling: a model whose matmuls all ran at the best
-    shape's speed would score 100%)."""
+    """This process's matmul FLOP/s in `dtype` on `shapes` (measure_rates)."""
+    return measure_rates(device, [dtype], shapes, seconds)[dtype_name(dtype)]
+
+
+def measure_rates(
+    device: torch.device,
+    dtypes: list[torch.dtype],
+    shapes: list[tuple[int, int, int]],
+    seconds: float = PROBE_SECONDS,
+) -> dict[str, float]:
+    """This process's matmul FLOP/s on `shapes`, per dtype: each product timed in rounds, the
+    dtypes interleaved in every round (a host that changes speed meanwhile moves them alike),
+    each shape's median kept, the best shape's returned (the ceiling: a model whose matmuls all
+    ran at the best shape's speed would score 100%). A dtype without fast kernels (bf16 on a CPU
+    with only AVX2: 30x slower than fp32) keeps to its first round once the time is spent."""
     sync = (lambda: None) if device.type == "cpu" else torch.accelerator.synchronize
-    pairs = []
-    for m, k, n in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        a @ b  # warm-up: kernel selection, page faults
-        # Tiny products repeat within one timing, so the clock's resolution does not decide.
-        pairs.append((a, b, max(1, int(5e7 // (2 * m * k * n)))))
+    cases = []
+    # A product whose warm-up says it would take longer than this is probed on fewer rows: a
+    # dtype without fast kernels would otherwise spend seconds a shape (its rate is the same).
+    budget = seconds / (4 * len(shapes) * len(dtypes))
+    for dtype in dtypes:
+        for m, k, n in shapes:
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            rows = min(m, 64)
+            a[:rows] @ b  # warm-up on a slice: kernel selection, b's page faults
+            sync()
+            t = time.perf_counter()
+            a[:rows] @ b
+            sync()
+            guess = (time.perf_counter() - t) * m / rows
+            if guess > budget:
+                m = max(rows, int(m * budget / guess))
+                a = a[:m].contiguous()
+            # Tiny products repeat within one timing, so the clock's resolution does not decide.
+            cases.append((dtype_name(dtype), (m, k, n), a, b, max(1, int(5e7 // (2 * m * k * n)))))
     sync()
-    times: list[list[float]] = [[] for _ in shapes]
+    times: list[list[float]] = [[] for _ in cases]
     fewest, enough = PROBE_ROUNDS
+    cheap = PROBE_MIN_SECONDS / len(cases)  # a timing this short still reaches `fewest` rounds
     start, rounds = time.perf_counter(), 0
     while True:
         spent = time.perf_counter() - start
-        settled = rounds >= enough and spent >= PROBE_MIN_SECONDS
-        if rounds >= fewest and (spent >= seconds or settled):
+        if rounds >= enough and spent >= PROBE_MIN_SECONDS:
+            break
+        over = spent >= seconds
+        todo = [
+            i
+            for i, took in enumerate(times)
+            if not took or not over or (len(took) < fewest and took[-1] * cases[i][4] < cheap)
+        ]
+        if not todo:
             break
         rounds += 1
-        for (a, b, reps), took in zip(pairs, times):
+        for i in todo:
+            a, b, reps = cases[i][2:]
             t = time.perf_counter()
             for _ in range(reps):
                 a @ b
             sync()
-            took.append((time.perf_counter() - t) / reps)
-    return max(2 * m * k * n / statistics.median(t) for (m, k, n), t in zip(shapes, times))
+            times[i].append((time.perf_counter() - t) / reps)
+    rates: dict[str, float] = {}
+    for (name, (m, k, n), *_), took in zip(cases, times):
+        rates[name] = max(rates.get(name, 0.0), 2 * m * k * n / statistics.median(took))
+    return rates
 
 
 def vendor_peak(device: torch.device, dtype: torch.dtype) -> tuple[str, float] | None:
@@ -149,23 +202,41 @@ def vendor_peak(device: torch.device, dtype: torch.dtype) -> tuple[str, float] |
     return next(((key, peak) for key, peak in VENDOR_PEAKS if key in name), None)
 
 
+def probe_ranks(
+    device: torch.device, dtypes: list[torch.dtype], shapes: list[tuple[int, int, int]]
+) -> dict[str, tuple[float, ...]]:
+    """Every rank measures at once (one rank per core, as training runs: a probe taken while
+    the other ranks still start up reads up to twice the shared peak); {dtype: each rank's
+    FLOP/s}. All ranks call."""
+    distributed.barrier()
+    gathered = distributed.all_gather_object(measure_rates(device, dtypes, shapes))
+    return {name: tuple(g[name] for g in gathered) for name in gathered[0]}
+
+
 def run_ceiling(
     device: torch.device,
     dtype: torch.dtype,
     shapes: list[tuple[int, int, int]],
     override_tflops: float | None = None,
+    probed: dict[str, tuple[float, ...]] | None = None,
 ) -> Ceiling:
     """The ceiling of this run: --peak-tflops, else a known accelerator's vendor peak, else
-    measured now by every rank at once (their mean: the sum over ranks is the world's
-    ceiling). All ranks call."""
+    measured now by every rank at once (their mean: the sum over ranks is the world's ceiling),
+    in the run's dtype and, on a CPU, in fp32 too: the faster is the ceiling. `probed` reuses
+    what probe_ranks measured on these shapes at the start (the precision's choice). All ranks
+    call."""
     if override_tflops:
         return Ceiling(override_tflops * 1e12, "--peak-tflops")
     known = vendor_peak(device, dtype)
     if known:
         return Ceiling(known[1], f"vendor table ({known[0]})")
-    distributed.barrier()  # all ranks probe together, as they will train
-    ranks = distributed.all_gather_object(measure_flops(device, dtype, shapes))
-    return Ceiling(sum(ranks) / len(ranks), "measured", tuple(ranks), tuple(shapes))
+    wanted = list(dict.fromkeys([dtype] + ([torch.float32] if device.type == "cpu" else [])))
+    names = [dtype_name(d) for d in wanted]
+    if probed is None or any(n not in probed for n in names):
+        probed = probe_ranks(device, wanted, shapes)
+    means = {n: sum(probed[n]) / len(probed[n]) for n in names}
+    best = max(names, key=lambda n: means[n])
+    return Ceiling(means[best], "measured", tuple(probed[best]), tuple(shapes), best, means)
 
 
 def ceiling_drift(start: Ceiling, device: torch.device, dtype: torch.dtype) -> dict | None:

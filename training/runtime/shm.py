@@ -109,6 +109,17 @@ def fsdp_comms() -> tuple | None:
     return _AllGather(), _ReduceScatter()
 
 
+def routed_dtypes() -> list[str]:
+    """The dtypes the route reduces in shared memory (DeepSpeed's kernel level: float32 from
+    level 1, AVX2; bf16/fp16 from level 2, AVX-512BW); the rest go to gloo. Empty when off."""
+    route = getattr(ds_comm.cdb, "zerostack_route", None)
+    if route is None:
+        return []
+    return [
+        str(d).removeprefix("torch.") for d, need in _Route.NEEDS.items() if route.level >= need
+    ]
+
+
 class _Route:
     """DeepSpeed's comm calls, through the kernel where it can take them, else to gloo (the
     comm layer's own methods, kept from before the route)."""

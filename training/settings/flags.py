@@ -106,7 +106,7 @@ class Settings:
         None,
         "torch.compile each transformer block in place (fuses the elementwise work; the first "
         "step compiles). Default: on where it was measured to win (our model on a CPU with a C++ "
-        "compiler; "
+        "compiler, a run of 100 steps or more, which pays the first step's compile back; "
         "not with pipeline, tensor or sequence parallelism, activation checkpointing or "
         "parameter offload); --no-compile turns it off",
     )
@@ -185,7 +185,10 @@ class Settings:
         "ds_configs/zero3_nvme.json; default RUN/nvme_swap)",
     )
     precision: str | None = flag(
-        None, "ddp/fsdp only; overrides what the config says", choices=["bf16", "fp16", "fp32"]
+        None,
+        "overrides the config's bf16/fp16 sections; auto: bf16 where it is fast (a GPU that "
+        "supports it, else fp16; a CPU where bf16 measured at least as fast as fp32, else fp32)",
+        choices=["auto", "bf16", "fp16", "fp32"],
     )
     stop_at: int | None = flag(
         None, "save and exit after this step (the schedule still spans --steps)"

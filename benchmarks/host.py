@@ -1,0 +1,23 @@
+"""The host class a benchmark ran on: a figure without it means nothing (the same job runs 20x
+apart on CPUs with and without bf16 units)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from training.runtime.flops import cpu_name
+
+# What holds a CPU's kernels below its hardware: ATen's dispatch level and oneDNN's ISA (how an
+# AVX2-only host is emulated on a newer one)
+EMULATION_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def host_class() -> str:
+    """The CPU's model, ATen's vector level, whether oneDNN runs bf16 natively, and any variable
+    that holds them below the hardware's."""
+    held = [f"{k}={os.environ[k]}" for k in EMULATION_VARS if os.environ.get(k)]
+    bf16 = "yes" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
+    line = f"{cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, bf16 units {bf16}"
+    return line + (f" (emulated: {' '.join(held)})" if held else "")
