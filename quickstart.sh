@@ -4,7 +4,7 @@
 # ZeRO-2 on 2 ranks (bf16 where this CPU runs it at least as fast as fp32, else fp32: the
 # config's precision is "auto"), evaluate, export to a Hugging Face folder, and sample from it
 # with stock transformers. Re-running resumes / reuses what is already done.
-#   STEPS=400 RANKS=2 ./quickstart.sh
+#   STEPS=400 RANKS=2 MICRO_BATCH=8 ./quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")"
 bash setup.sh
@@ -20,7 +20,7 @@ $PY -m data.prepare --source pystdlib --out "$DATA" --vocab-size 8192 --num-proc
 echo "== 2/4 train: small preset, ds_configs/zero2.json, $RANKS ranks, precision auto, $STEPS steps -> $RUN"
 .venv/bin/deepspeed --num_gpus "$RANKS" --master_port "${MASTER_PORT:-29510}" training/train.py \
   --ds_config ds_configs/zero2.json --data "$DATA" --model small --out "$RUN" \
-  --steps "$STEPS" --seq-len 256 --micro-batch 8 --lr 2e-3 --warmup 20 \
+  --steps "$STEPS" --seq-len 256 --micro-batch "${MICRO_BATCH:-4}" --lr 2e-3 --warmup 20 \
   --log-every 10 --eval-every 50 --save-every 50
 
 echo "== 3/4 export to a Hugging Face folder -> $RUN/hf"

@@ -105,32 +105,25 @@ def test_a_logged_mfu_can_never_be_above_one(reprobe):
 
 
 @pytest.mark.slow
-def test_auto_records_what_it_picked_and_both_rates(tiny_data, tmp_path):
-    """Real 2-rank runs under the shipped zero2.json (precision auto): on this host as it is,
-    and on a simulated AVX2-only host (oneDNN held to AVX2 and ATen's dispatch to AVX2, which
-    reproduces bf16 matmuls ~25x slower than fp32): each records its pick and both rates, and
-    the AVX2 one trains in fp32."""
+def test_auto_on_an_avx2_host_trains_in_fp32_and_says_why(tiny_data, tmp_path):
+    """Real 2-rank runs on a simulated AVX2-only host (oneDNN held to AVX2 and ATen's dispatch to
+    AVX2, which reproduces bf16 matmuls 20-60x slower than fp32): the shipped zero2.json
+    (precision auto) records its pick and both rates and trains in fp32; an explicit bf16 runs
+    as asked and says once that it is slow. (On this host as it is, tests/test_train.py checks
+    the record of every shipped config.)"""
     emulated = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    for name, env in (("here", {}), ("avx2", emulated)):
-        out = tmp_path / name
-        args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "2"]
-        r = launch(["--ds_config", "ds_configs/zero2.json", *args], env=env)
-        record = json.loads((out / "resolved_config.json").read_text())
-        choice = record["precision_choice"]
-        rates = choice["rates_flops"]
-        assert choice["asked"] == "auto" and set(rates) == {"bf16", "fp32"}
-        assert (
-            record["precision"]
-            == choice["picked"]
-            == ("bf16" if rates["bf16"] >= rates["fp32"] else "fp32")
-        )
-        assert f"{record['precision']} (auto: measured" in r.stdout  # the banner says why
-        first = read_metrics(out, "precision")[0]
-        assert first["picked"] == record["precision"] and first["step"] == 0
-        assert record["ds_config"]["bf16"]["enabled"] is (record["precision"] == "bf16")
-        if name == "avx2":
-            assert record["precision"] == "fp32" and rates["fp32"] > 5 * rates["bf16"]
-    # an explicit bf16 on the AVX2 host runs as asked and says it is slow, once
+    out = tmp_path / "auto"
+    args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "2"]
+    r = launch(["--ds_config", "ds_configs/zero2.json", *args], env=emulated)
+    record = json.loads((out / "resolved_config.json").read_text())
+    choice, rates = record["precision_choice"], record["precision_choice"]["rates_flops"]
+    assert choice["asked"] == "auto" and set(rates) == {"bf16", "fp32"}
+    assert record["precision"] == choice["picked"] == "fp32" and rates["fp32"] > 5 * rates["bf16"]
+    assert record["ds_config"]["bf16"]["enabled"] is False
+    assert "fp32 (auto: measured bf16" in r.stdout  # the banner says why, with both rates
+    first = read_metrics(out, "precision")[0]  # the run's first log line
+    assert first["picked"] == "fp32" and first["step"] == 0 and "GFLOP/s" in first["why"]
+    assert record["peak_flops"]["dtype"] == "fp32"  # MFU against the path the products take
     out = tmp_path / "asked"
     args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "1"]
     r = launch(["--precision", "bf16", *args], env=emulated)

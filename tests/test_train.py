@@ -64,6 +64,16 @@ def test_every_config_trains_and_loss_falls(config_runs, name):
     resolved = json.loads((out / "resolved_config.json").read_text())
     assert resolved["ds_config"]["train_batch_size"] == 4  # 2 micro x 1 accum x 2 ranks
     assert resolved["world"] == 2 and resolved["git_commit"] is not None
+    # precision: fp32.json says fp32; every other shipped config says auto, which this host
+    # settled by measuring bf16 against fp32 (preflight/precision.py)
+    choice = resolved["precision_choice"]
+    assert choice["picked"] == resolved["precision"]
+    if name == "fp32":
+        assert choice["asked"] == "fp32" and resolved["precision"] == "fp32"
+    else:
+        rates = choice["rates_flops"]
+        assert choice["asked"] == "auto" and set(rates) == {"bf16", "fp32"}
+        assert resolved["precision"] == ("bf16" if rates["bf16"] >= rates["fp32"] else "fp32")
     assert (out / "loss.png").stat().st_size > 1000
     assert list((out / "tensorboard").iterdir())
 
