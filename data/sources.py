@@ -228,7 +228,7 @@ def _check_local(path: Path, text_field: str) -> None:
         with open(path, encoding="utf-8") as f:
             first = next((line for line in f if line.strip()), None)
         if first is not None:
-            row = _json_row(first, path, 1)
+            row = json_row(first, path, 1)
             if text_field not in row:
                 raise DataError(
                     f"{path}: first record has no field {text_field!r} "
@@ -236,7 +236,7 @@ def _check_local(path: Path, text_field: str) -> None:
                 )
 
 
-def _json_row(line: str, path: Path, lineno: int) -> dict:
+def json_row(line: str, path: Path, lineno: int) -> dict:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -254,7 +254,7 @@ def _read_local(path: Path, text_field: str) -> Iterator[str]:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                row = _json_row(line, path, lineno)
+                row = json_row(line, path, lineno)
                 if not isinstance(row.get(text_field), str):
                     raise DataError(f"{path}:{lineno}: field {text_field!r} missing or not text")
                 yield row[text_field]

@@ -265,6 +265,7 @@ def train_loop(t: Training) -> dict:
         flops_per_token=record["flops_per_token"],
         ceiling=LiveCeiling(record["peak_flops_per_rank"] * dist.world, t.reprobe, dist.world),
         compiled=record["compiled"],
+        token_weighted=getattr(loader.dataset, "masked", False),
         profiler=StepProfiler(
             parse_span(settings.profile), run_dir / "profile", dist.is_main, dist.device.type
         )

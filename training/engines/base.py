@@ -54,10 +54,13 @@ class Engine(ABC):
         """The unwrapped model (for export, generate, FLOPs)."""
 
     @abstractmethod
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, boundary: bool) -> torch.Tensor:
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, boundary: bool, num_items: float | None = None
+    ) -> torch.Tensor:
         """One micro-batch; gradients are reduced only on the boundary. The loss returned sums the
         micro-batches this call completed (the pipeline engine completes the whole step on the
-        boundary)."""
+        boundary). `num_items` (masked data): the micro-batch loss is the sum of its per-token
+        losses over this, not their mean (training/loop/loop.py: token_weights)."""
 
     @abstractmethod
     def step(self) -> StepResult:
@@ -68,8 +71,11 @@ class Engine(ABC):
         """The schedule's value for this step."""
 
     @abstractmethod
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """A no-grad forward; every rank calls (ZeRO-3 gathers, the pipeline passes stages)."""
+    def eval_loss(
+        self, x: torch.Tensor, y: torch.Tensor, num_items: float | None = None
+    ) -> torch.Tensor:
+        """A no-grad forward; every rank calls (ZeRO-3 gathers, the pipeline passes stages).
+        `num_items` as for forward_backward (1: the sum of the per-token losses)."""
 
     @abstractmethod
     def save(self, root: Path, tag: str, client_state: dict) -> None:

@@ -119,13 +119,14 @@ class DeepSpeedEngine(Engine):
     def module(self):
         return self.engine.module
 
-    def _inputs(self, x, y) -> dict:
+    def _inputs(self, x, y, num_items=None) -> dict:
         if self.sequence:
             return self.sequence.inputs(x, y)
-        return {"input_ids": x, "labels": y, "shift_labels": y}
+        weighed = {} if num_items is None else {"num_items_in_batch": num_items}
+        return {"input_ids": x, "labels": y, "shift_labels": y, **weighed}
 
-    def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
-        loss = self.engine(**self._inputs(x, y)).loss
+    def forward_backward(self, x, y, boundary: bool, num_items=None) -> torch.Tensor:
+        loss = self.engine(**self._inputs(x, y, num_items)).loss
         scale = self.sequence.backward_scale if self.sequence else 1.0
         if self.sums_gradients:  # the ranks' gradients are summed: their mean, as DeepSpeed's
             scale /= self.dp_world
@@ -164,8 +165,8 @@ class DeepSpeedEngine(Engine):
             group["lr"] = lr
 
     @torch.no_grad()
-    def eval_loss(self, x, y) -> torch.Tensor:
-        loss = self.engine(**self._inputs(x, y)).loss
+    def eval_loss(self, x, y, num_items=None) -> torch.Tensor:
+        loss = self.engine(**self._inputs(x, y, num_items)).loss
         return self.sequence.whole_loss(loss) if self.sequence else loss.detach()
 
     def train(self) -> None:

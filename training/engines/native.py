@@ -65,10 +65,10 @@ class NativeEngine(Engine):
     def module(self):
         return self.model
 
-    def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
+    def forward_backward(self, x, y, boundary: bool, num_items=None) -> torch.Tensor:
         with contextlib.nullcontext() if boundary else self._no_sync():
             with self._autocast():
-                loss = self.model(input_ids=x, labels=y, shift_labels=y).loss
+                loss = self.model(**_inputs(x, y, num_items)).loss
             # Mean over the accumulated micro-batches, as DeepSpeed's engine.backward does.
             # A non-finite loss gives non-finite gradients, which step() then skips.
             scaled = poison(loss) / self.grad_accum
@@ -118,9 +118,9 @@ class NativeEngine(Engine):
             group["lr"] = lr
 
     @torch.no_grad()
-    def eval_loss(self, x, y) -> torch.Tensor:
+    def eval_loss(self, x, y, num_items=None) -> torch.Tensor:
         with self._autocast():
-            return self.model(input_ids=x, labels=y, shift_labels=y).loss.detach()
+            return self.model(**_inputs(x, y, num_items)).loss.detach()
 
     def train(self) -> None:
         self.model.train()
@@ -130,3 +130,9 @@ class NativeEngine(Engine):
 
     def state_bytes(self) -> dict[str, int]:
         return state_bytes(self.module, self.optimizer, self.scaler)
+
+
+def _inputs(x, y, num_items) -> dict:
+    """The model's arguments; `num_items` divides the summed per-token loss (masked data)."""
+    weighed = {} if num_items is None else {"num_items_in_batch": num_items}
+    return {"input_ids": x, "labels": y, "shift_labels": y, **weighed}
