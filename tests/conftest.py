@@ -212,16 +212,18 @@ def chat_tokenizer(tiny_data: Path, out: Path, template: str | None = CHATML) ->
 
 
 def chat_rows(n: int) -> list[dict]:
-    """`n` examples in the three shapes whose completions range from one word to many lines,
+    """`n` examples in the three shapes whose completions are one word or a long line,
     so micro-batches hold very different numbers of trained tokens."""
     out = []
     for i in range(n):
-        body = "\n".join(f"    total += {k} * x" for k in range(1 + (i * 7) % 23))
+        body = "return " + " + ".join(f"x{k}" for k in range(5 + i % 5)) if i % 2 else "ok"
         shape = i % 3
         if shape == 0:
-            out.append({"prompt": f"def f{i}(x):\n", "completion": f"{body}\n    return total\n"})
+            out.append({"prompt": f"def f{i}(x):\n", "completion": f"    {body}\n"})
         elif shape == 1:
-            out.append({"instruction": f"Name {i}", "input": "", "output": "ok" if i % 2 else body})
+            out.append(
+                {"instruction": f"Name {i}", "input": f"in {i}" if i % 4 else "", "output": body}
+            )
         else:
             user = {"role": "user", "content": f"Question {i}?"}
             out.append({"messages": [{"role": "system", "content": "Be brief."}, user,

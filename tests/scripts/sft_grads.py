@@ -1,10 +1,10 @@
 """The gradient of one step on chat data, through the training loop's own micro-batch code.
 
-    torchrun --nproc_per_node 2 tests/scripts/sft_grads.py DATA_DIR OUT.pt RUN...
+    torchrun --nproc_per_node 2 tests/scripts/sft_grads.py DATA_DIR OUT.pt SEED RUN...
 
 RUN is ENGINE:MICRO:ACCUM, ENGINE ddp or a ds_configs name (fp32 is ZeRO-2 in fp32). For each
 run, in one process group: the tiny preset built with seed 0, the real BatchLoader over the
-data's ExampleDataset (seed 0), `training.loop.loop._micro_batches` with the loss weighed by
+data's ExampleDataset (SEED), `training.loop.loop._micro_batches` with the loss weighed by
 trained tokens, then the whole gradient (DeepSpeed: `safe_get_full_grad`, before the step).
 Rank 0 saves {"init": the weights, RUN: {"grads": {name: tensor}, "loss": step loss}}.
 """
@@ -27,7 +27,7 @@ from training.settings.flags import Settings
 SEQ = 64
 
 
-def one_step(run: str, data: str, dist) -> tuple[dict, dict, float]:
+def one_step(run: str, data: str, seed: int, dist) -> tuple[dict, dict, float]:
     name, micro, accum = run.split(":")
     backend = "ddp" if name == "ddp" else "deepspeed"
     cfg_file = ds_config.CONFIG_DIR / ("zero0.json" if backend == "ddp" else f"{name}.json")
@@ -48,7 +48,7 @@ def one_step(run: str, data: str, dist) -> tuple[dict, dict, float]:
         device=dist.device,
         precision="fp32",
     )
-    loader = BatchLoader(open_split(data, "train", SEQ), int(micro), dist.rank, dist.world, 0)
+    loader = BatchLoader(open_split(data, "train", SEQ), int(micro), dist.rank, dist.world, seed)
     loss = _micro_batches(engine, loader, int(accum), dist.device, None, None, weighted=True)
     grads = {}
     for pname, p in engine.module.named_parameters():
@@ -65,11 +65,11 @@ def one_step(run: str, data: str, dist) -> tuple[dict, dict, float]:
 
 
 def main() -> None:
-    data, out_path, *runs = sys.argv[1:]
+    data, out_path, seed, *runs = sys.argv[1:]
     dist = distributed.setup()
     results = {}
     for run in runs:
-        init, grads, loss = one_step(run, data, dist)
+        init, grads, loss = one_step(run, data, int(seed), dist)
         results.setdefault("init", init)
         results[run] = {"grads": grads, "loss": loss, "init": init}
     if dist.is_main:
