@@ -2,11 +2,11 @@
 
     torchrun --nproc_per_node 2 tests/scripts/sft_grads.py DATA_DIR OUT.pt SEED RUN...
 
-RUN is ENGINE:MICRO:ACCUM, ENGINE ddp or a ds_configs name (fp32 is ZeRO-2 in fp32). For each
+RUN is ENGINE:MICRO:ACCUM, ENGINE ddp, fsdp or a ds_configs name (zero0 ... zero3), in fp32. For each
 run, in one process group: the tiny preset built with seed 0, the real BatchLoader over the
 data's ExampleDataset (SEED), `training.loop.loop._micro_batches` with the loss weighed by
 trained tokens, then the whole gradient (DeepSpeed: `safe_get_full_grad`, before the step).
-Rank 0 saves {"init": the weights, RUN: {"grads": {name: tensor}, "loss": step loss}}.
+Rank 0 saves {RUN: {"init": {name: weight}, "grads": {name: tensor}, "loss": step loss}}.
 """
 
 import gc
@@ -27,19 +27,33 @@ from training.settings.flags import Settings
 SEQ = 64
 
 
+def whole(p, backend: str, what: str) -> torch.Tensor:
+    """A parameter's whole fp32 value or gradient, however its engine shards it."""
+    if backend == "deepspeed":
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+        t = safe_get_full_grad(p) if what == "grad" else safe_get_full_fp32_param(p)
+    else:
+        t = p.grad if what == "grad" else p.data
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2's DTensors
+    return t.detach().clone()
+
+
 def one_step(run: str, data: str, seed: int, dist) -> tuple[dict, dict, float]:
     name, micro, accum = run.split(":")
-    backend = "ddp" if name == "ddp" else "deepspeed"
-    cfg_file = ds_config.CONFIG_DIR / ("zero0.json" if backend == "ddp" else f"{name}.json")
+    backend = name if name in ("ddp", "fsdp") else "deepspeed"
+    native = backend != "deepspeed"
+    cfg_file = ds_config.CONFIG_DIR / ("zero0.json" if native else f"{name}.json")
     argv = ["--backend", backend, "--data", data, "--out", "unused", "--seq-len", str(SEQ)]
     s = Settings.parse([*argv, "--micro-batch", micro, "--grad-accum", accum])
     manifest = load_manifest(data)
     cfg = ds_config.resolve(
         ds_config.load_json(cfg_file), world=dist.world, flags=s.as_flags(), hidden_size=64
     )
+    if not native:  # the DeepSpeed configs' own precision section off: fp32 (the test's claim)
+        cfg = {k: v for k, v in cfg.items() if k not in ("bf16", "fp16")}
     torch.manual_seed(0)
     model = build_for_engine("tiny", vocab_size=manifest.vocab_size, backend=backend, ds_config=cfg)
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine = build_engine(
         backend,
         model=model,
@@ -48,16 +62,10 @@ def one_step(run: str, data: str, seed: int, dist) -> tuple[dict, dict, float]:
         device=dist.device,
         precision="fp32",
     )
+    init = {k: whole(p, backend, "param") for k, p in engine.module.named_parameters()}
     loader = BatchLoader(open_split(data, "train", SEQ), int(micro), dist.rank, dist.world, seed)
     loss = _micro_batches(engine, loader, int(accum), dist.device, None, None, weighted=True)
-    grads = {}
-    for pname, p in engine.module.named_parameters():
-        if backend == "deepspeed":
-            from deepspeed.utils import safe_get_full_grad
-
-            grads[pname] = safe_get_full_grad(p).detach().clone()
-        else:
-            grads[pname] = p.grad.detach().clone()
+    grads = {k: whole(p, backend, "grad") for k, p in engine.module.named_parameters()}
     loss = distributed.all_reduce_scalars([float(loss) / int(accum)], dist.device)[0]
     del engine, model
     gc.collect()
@@ -70,7 +78,6 @@ def main() -> None:
     results = {}
     for run in runs:
         init, grads, loss = one_step(run, data, int(seed), dist)
-        results.setdefault("init", init)
         results[run] = {"grads": grads, "loss": loss, "init": init}
     if dist.is_main:
         torch.save(results, Path(out_path))
