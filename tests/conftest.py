@@ -207,6 +207,8 @@ def chat_tokenizer(tiny_data: Path, out: Path, template: str | None = CHATML) ->
     tok = AutoTokenizer.from_pretrained(str(tiny_data / "tokenizer"))
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = template
+    tok.split_special_tokens = False  # as an instruct model's: the template's tokens are special
+    tok.init_kwargs["split_special_tokens"] = False
     tok.save_pretrained(str(out))
     return out
 
