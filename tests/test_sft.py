@@ -94,3 +94,33 @@ def test_refused_with_the_pipeline(chat_data, capsys, monkeypatch, tmp_path):
             "--seq-len", str(SEQ), "--ds_config", str(cfg)]  # fmt: skip
     err = refused(capsys, monkeypatch, tmp_path, argv)
     assert "chat data with the pipeline engine" in err, err
+
+
+@pytest.mark.slow
+def test_chat_run_resumes_exactly_and_exports_its_template(chat_data, tmp_path, capsys):
+    """The user's path on chat data: train on 2 ranks with accumulation, stop, resume to the
+    same losses as a run straight through, export, and chat with the export."""
+    from conftest import CHATML, TINY_RUN, read_metrics
+    from transformers import AutoTokenizer
+
+    from training.export import main as export
+    from training.sample import main as sample
+
+    def run(out, *extra):
+        args = ["--data", str(chat_data), "--out", str(out), *TINY_RUN, "--grad-accum", "2"]
+        launch([*args, "--steps", "4", "--eval-every", "2", *extra])
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(straight, "--save-every", "-1")
+    run(split, "--stop-at", "2", "--save-every", "0")
+    run(split, "--save-every", "0")  # resumes from step 2
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    evals = [read_metrics(r, "eval")[-1]["val_loss"] for r in (straight, split)]
+    assert evals[0] == evals[1] and evals[0] < read_metrics(split, "eval")[0]["val_loss"]
+    hf = tmp_path / "hf"
+    assert export([str(split), "--out", str(hf)]) == 0
+    assert AutoTokenizer.from_pretrained(hf).chat_template == CHATML  # what training rendered
+    argv = [str(hf), "--chat", "--prompt", "Question 1?", "--greedy", "--max-new-tokens", "4"]
+    assert sample(argv) == 0
