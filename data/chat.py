@@ -216,9 +216,11 @@ def write_chat_splits(
     seed: int,
     shard_tokens: int,
     progress: bool = False,
+    val_source: str | None = None,
 ) -> tuple[dict[str, SplitInfo], ChatCounts]:
     """Render every row of SOURCE's JSONL and write train/val shards with their loss masks.
-    Row i (counting every row, kept or not) goes to val per `split_of`. An example keeps at most
+    Row i (counting every row, kept or not) goes to val per `split_of`; with `val_source`,
+    SOURCE's rows all train and VAL_SOURCE's all validate. An example keeps at most
     seq_len + 1 tokens (seq_len targets): longer ones are truncated or dropped (`too_long`)."""
     from tqdm import tqdm
 
@@ -228,13 +230,13 @@ def write_chat_splits(
     pending: dict[str, list] = {name: [] for name in SPLITS}
     bar = tqdm(desc="render", unit=" examples", disable=not progress, mininterval=0.5)
     with bar:
-        for i, (where, messages) in enumerate(rows(chat_files(source))):
+        for i, (name, where, messages) in enumerate(_split_rows(source, val_source)):
             ids, mask = renderer.render(messages, where)
             kept = _fit(ids, mask, seq_len + 1, counts, renderer.tok)
             bar.update(1)
             if kept is None:
                 continue
-            name = "val" if split_of(i, val_fraction, seed) else "train"
+            name = name or ("val" if split_of(i, val_fraction, seed) else "train")
             pending[name].append(kept)
             counts.trained_tokens[name] += int(kept[1].sum())
             if len(pending[name]) >= _BATCH:
@@ -244,6 +246,15 @@ def write_chat_splits(
     if counts.examples == 0:
         raise DataError(f"no example of {source} is left to train on ({_summary(counts)})")
     return {name: w.close() for name, w in writers.items()}, counts
+
+
+def _split_rows(source: str, val_source: str | None):
+    """(split or None: split_of decides, "FILE:ROW", messages) of every row."""
+    if val_source is None:
+        yield from ((None, where, msgs) for where, msgs in rows(chat_files(source)))
+        return
+    for name, src in (("train", source), ("val", val_source)):
+        yield from ((name, where, msgs) for where, msgs in rows(chat_files(src)))
 
 
 def _fit(ids, mask, limit: int, counts: ChatCounts, tok):

@@ -64,6 +64,7 @@ def prepare(
     train_on: str = "assistant",
     seq_len: int = 2048,
     too_long: str = "truncate",
+    val_source: str | os.PathLike | None = None,
 ) -> Path:
     """Tokenize SOURCE into the dataset folder `out` and return it.
 
@@ -75,7 +76,8 @@ def prepare(
     Chat data (`chat`; None: local JSONL whose first row has a chat shape, see data/chat.py)
     needs `tokenizer`, renders with its chat template or `chat_template` (a Jinja file), and
     trains on the tokens `train_on` names; examples over seq_len + 1 tokens are truncated or
-    dropped (`too_long`), and counted in the manifest's `chat`.
+    dropped (`too_long`), and counted in the manifest's `chat`. `val_source` (chat data): the
+    validation split is that JSONL's rows, and every row of SOURCE trains.
     """
     from data.manifest import dtype_for_vocab
     from data.tokenizer import (
@@ -111,6 +113,7 @@ def prepare(
             shard_tokens=shard_tokens,
             dtype=dtype,
             progress=progress,
+            val_source=val_source,
         )
     src = resolve_source(source, text_field)
     args = _canonical(
@@ -207,6 +210,7 @@ def _prepare_chat(
     shard_tokens,
     dtype,
     progress,
+    val_source=None,
 ) -> Path:
     """prepare() for chat/instruction JSONL (data/chat.py); the same folder layout, each shard
     with its loss mask."""
@@ -229,11 +233,13 @@ def _prepare_chat(
     vocab = check_hf_tokenizer(tokenizer)["vocab_size"]
     dtype_for_vocab(vocab, dtype)
     files = chat_files(str(source))
+    val_files = chat_files(str(val_source)) if val_source is not None else []
     template = chat_template_of(tokenizer, template_file)
     args = _canonical(
         {
             "source": os.path.abspath(os.path.expanduser(str(source))),
             "files": [str(f) for f in files],
+            "val_files": [str(f) for f in val_files],
             "tokenizer": sha256_dir(Path(tokenizer)) if Path(tokenizer).is_dir() else tokenizer,
             "chat_template": template,
             "train_on": train_on,
@@ -269,6 +275,7 @@ def _prepare_chat(
             seed=seed,
             shard_tokens=shard_tokens,
             progress=progress,
+            val_source=None if val_source is None else str(val_source),
         )
         manifest = Manifest(
             format_version=FORMAT_VERSION,
@@ -424,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     chat.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     chat.add_argument(
+        "--val-source", default=None, help="JSONL of the validation split (else --val-fraction)"
+    )
+    chat.add_argument(
         "--train-on",
         default="assistant",
         choices=["assistant", "completion", "all"],
@@ -459,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             train_on=a.train_on,
             seq_len=a.seq_len,
             too_long=a.too_long,
+            val_source=a.val_source,
         )
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -50,7 +50,7 @@ class Source:
     def documents(self) -> Iterator[str]:
         """Yield every non-empty document, in a stable order."""
         if self.kind == "pystdlib":
-            docs = map(_read_python, self.files)
+            docs = map(read_python, self.files)
         elif self.kind == "files":
             docs = (d for f in self.files for d in _read_local(f, self.text_field))
         elif self.data_files:
@@ -120,7 +120,7 @@ def _pystdlib() -> Source:
     )
 
 
-def _read_python(path: Path) -> str:
+def read_python(path: Path) -> str:
     """The file's exact text ("\\r\\n" kept), decoded as its PEP 263 coding cookie says."""
     data = path.read_bytes()
     try:

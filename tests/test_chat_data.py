@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import chat_rows, chat_tokenizer
+from conftest import REPO, chat_rows, chat_tokenizer
 
 from data import BatchLoader, DataError, ExampleDataset, load_manifest, prepare
 from data.chat import to_messages
@@ -157,3 +157,43 @@ def test_examples_resume_exactly_on_another_world(chat_data):
     for xb, yb in want[2:]:
         got = [r.next_batch() for r in ranks]
         assert all((g[0][0] == xb[k]).all() and (g[1][0] == yb[k]).all() for k, g in enumerate(got))
+
+
+def test_instruction_set_from_python_split_by_file(tiny_data, tmp_path):
+    """data.instructions: signature and docstring -> body, whole files to one split; then
+    prepare with --val-source and the plain template for our own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from data.instructions import build
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(3):
+        (src / f"m{k}.py").write_text(
+            f'def f{k}(x):\n    """Double {k}."""\n    return 2 * x\n\n\n'
+            f'class C{k}:\n    def g(self):\n        """Say {k}."""\n        y = {k}\n        return y\n\n'
+            f'def undocumented(x):\n    return x\n'
+        )  # fmt: skip
+    counts = build(src, tmp_path / "set", val_fraction=0.34, seed=0)
+    rows = {n: [json.loads(line) for line in (tmp_path / "set" / f"{n}.jsonl").open()]
+            for n in ("train", "val")}  # fmt: skip
+    assert counts == {"train": 4, "val": 2} == {n: len(r) for n, r in rows.items()}
+    (v0, v1) = rows["val"]
+    k = v0["prompt"][5]  # every function of the validation file, and of no other file
+    assert v0 == {
+        "prompt": f'def f{k}(x):\n    """Double {k}."""\n',
+        "completion": "    return 2 * x\n",
+    }
+    assert v1 == {"prompt": f'def g(self):\n    """Say {k}."""\n', "completion": f"    y = {k}\n    return y\n"}  # fmt: skip
+    assert all(k not in r["prompt"] for r in rows["train"])
+
+    plain = REPO / "data" / "templates" / "plain.jinja"
+    out = prepare(tmp_path / "set" / "train.jsonl", tmp_path / "d", tokenizer=tiny_data / "tokenizer",
+                  chat_template=plain, val_source=tmp_path / "set" / "val.jsonl", progress=False)  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    val = ExampleDataset(out, "val", 64)
+    assert len(val) == 2 and len(ExampleDataset(out, "train", 64)) == 4
+    for i, row in enumerate(rows["val"]):
+        n = int((val[i][0] != val.pad).sum())
+        assert tok.decode(val[i][0][:n]) == row["prompt"] + row["completion"] + "</s>"
+        assert trained_text(tok, val[i]) == row["completion"] + "</s>"

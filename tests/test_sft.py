@@ -99,7 +99,8 @@ def test_refused_with_the_pipeline(chat_data, capsys, monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_chat_run_resumes_exactly_and_exports_its_template(chat_data, tmp_path, capsys):
     """The user's path on chat data: train on 2 ranks with accumulation, stop, resume to the
-    same losses as a run straight through, export, and chat with the export."""
+    same losses as a run straight through, the held-out loss below the starting model's
+    (--eval-on-start), export, and chat with the export."""
     from conftest import CHATML, TINY_RUN, read_metrics
     from transformers import AutoTokenizer
 
@@ -108,7 +109,7 @@ def test_chat_run_resumes_exactly_and_exports_its_template(chat_data, tmp_path, 
 
     def run(out, *extra):
         args = ["--data", str(chat_data), "--out", str(out), *TINY_RUN, "--grad-accum", "2"]
-        launch([*args, "--steps", "4", "--eval-every", "2", *extra])
+        launch([*args, "--steps", "4", "--eval-every", "2", "--eval-on-start", *extra])
 
     straight, split = tmp_path / "straight", tmp_path / "split"
     run(straight, "--save-every", "-1")
@@ -117,8 +118,11 @@ def test_chat_run_resumes_exactly_and_exports_its_template(chat_data, tmp_path, 
     a, b = read_metrics(straight), read_metrics(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    evals = [read_metrics(r, "eval")[-1]["val_loss"] for r in (straight, split)]
-    assert evals[0] == evals[1] and evals[0] < read_metrics(split, "eval")[0]["val_loss"]
+    evals = [
+        [(r["step"], r["val_loss"]) for r in read_metrics(run, "eval")] for run in (straight, split)
+    ]
+    assert evals[0] == evals[1]  # step 0 (--eval-on-start: not again on the resume), 2, 4
+    assert [step for step, _ in evals[1]] == [0, 2, 4] and evals[1][2][1] < evals[1][0][1]
     hf = tmp_path / "hf"
     assert export([str(split), "--out", str(hf)]) == 0
     assert AutoTokenizer.from_pretrained(hf).chat_template == CHATML  # what training rendered

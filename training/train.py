@@ -266,6 +266,7 @@ def train_loop(t: Training) -> dict:
         ceiling=LiveCeiling(record["peak_flops_per_rank"] * dist.world, t.reprobe, dist.world),
         compiled=record["compiled"],
         token_weighted=getattr(loader.dataset, "masked", False),
+        eval_on_start=settings.eval_on_start,
         profiler=StepProfiler(
             parse_span(settings.profile), run_dir / "profile", dist.is_main, dist.device.type
         )

@@ -52,6 +52,7 @@ class LoopConfig:
     compiled: str | None = None  # what --compile compiled: the first step's time is said
     profiler: StepProfiler | None = None  # --profile
     token_weighted: bool = False  # masked (chat) data: the loss is weighed by trained tokens
+    eval_on_start: bool = False  # an evaluation at step 0 (a fresh run's, not a resume's)
 
     @property
     def steps(self) -> int:
@@ -121,6 +122,8 @@ def run(
     first_step = state.step
     engine.train()
     profiler = config.profiler
+    if config.eval_on_start and state.step == 0:
+        evaluator(0)
     while state.step < config.steps:
         if profiler:
             profiler.before_step(state.step + 1)
