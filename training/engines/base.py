@@ -13,6 +13,14 @@ import torch.distributed as dist
 from torch import nn
 
 
+def model_inputs(x: torch.Tensor, y: torch.Tensor, num_items: float | None = None) -> dict:
+    """The model's arguments for a micro-batch, the same for every engine; `num_items` (masked
+    data) divides the summed per-token loss instead of taking its mean (models/llama.py
+    `causal_lm_loss`, transformers' ForCausalLMLoss)."""
+    weighed = {} if num_items is None else {"num_items_in_batch": num_items}
+    return {"input_ids": x, "labels": y, "shift_labels": y, **weighed}
+
+
 @dataclass
 class StepResult:
     grad_norm: float | None

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
 from models import transformer_blocks
-from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.base import Engine, OptimizerConfig, StepResult, model_inputs
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.engines.sequence import SequenceParallel
@@ -122,8 +122,7 @@ class DeepSpeedEngine(Engine):
     def _inputs(self, x, y, num_items=None) -> dict:
         if self.sequence:
             return self.sequence.inputs(x, y)
-        weighed = {} if num_items is None else {"num_items_in_batch": num_items}
-        return {"input_ids": x, "labels": y, "shift_labels": y, **weighed}
+        return model_inputs(x, y, num_items)
 
     def forward_backward(self, x, y, boundary: bool, num_items=None) -> torch.Tensor:
         loss = self.engine(**self._inputs(x, y, num_items)).loss

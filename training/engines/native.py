@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.base import Engine, OptimizerConfig, StepResult, model_inputs
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.memory.state_bytes import state_bytes
@@ -68,7 +68,7 @@ class NativeEngine(Engine):
     def forward_backward(self, x, y, boundary: bool, num_items=None) -> torch.Tensor:
         with contextlib.nullcontext() if boundary else self._no_sync():
             with self._autocast():
-                loss = self.model(**_inputs(x, y, num_items)).loss
+                loss = self.model(**model_inputs(x, y, num_items)).loss
             # Mean over the accumulated micro-batches, as DeepSpeed's engine.backward does.
             # A non-finite loss gives non-finite gradients, which step() then skips.
             scaled = poison(loss) / self.grad_accum
@@ -120,7 +120,7 @@ class NativeEngine(Engine):
     @torch.no_grad()
     def eval_loss(self, x, y, num_items=None) -> torch.Tensor:
         with self._autocast():
-            return self.model(**_inputs(x, y, num_items)).loss.detach()
+            return self.model(**model_inputs(x, y, num_items)).loss.detach()
 
     def train(self) -> None:
         self.model.train()
@@ -130,9 +130,3 @@ class NativeEngine(Engine):
 
     def state_bytes(self) -> dict[str, int]:
         return state_bytes(self.module, self.optimizer, self.scaler)
-
-
-def _inputs(x, y, num_items) -> dict:
-    """The model's arguments; `num_items` divides the summed per-token loss (masked data)."""
-    weighed = {} if num_items is None else {"num_items_in_batch": num_items}
-    return {"input_ids": x, "labels": y, "shift_labels": y, **weighed}
