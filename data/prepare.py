@@ -115,6 +115,12 @@ def prepare(
             progress=progress,
             val_source=val_source,
         )
+    if chat_template is not None or val_source is not None:
+        flag = "--chat-template" if chat_template is not None else "--val-source"
+        raise DataError(
+            f"{flag} is for chat data, and {source} is a text corpus (its first row has no "
+            "'messages', 'prompt'/'completion' or 'instruction'/'output'); drop it or use --chat"
+        )
     src = resolve_source(source, text_field)
     args = _canonical(
         {

@@ -139,6 +139,10 @@ def test_chat_without_tokenizer_refused(tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "a", "completion": "b"}])
     with pytest.raises(DataError, match="is chat data: give the model's tokenizer"):
         prepare(src, tmp_path / "out", progress=False)
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "a"}])
+    with pytest.raises(DataError, match="--chat-template is for chat data, and .* is a text"):
+        prepare(text, tmp_path / "out", chat_template=tmp_path / "x.jinja", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_examples_resume_exactly_on_another_world(chat_data):
