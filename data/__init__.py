@@ -21,6 +21,7 @@ _EXPORTS = {
     "open_split": "data.mixture",
     "Mixture": "data.mixture",
     "TokenDataset": "data.reader",
+    "ExampleDataset": "data.examples",
     "BatchLoader": "data.reader",
     "eval_batches": "data.reader",
     "prepare": "data.prepare",

@@ -5,7 +5,9 @@ A prepared folder holds:
     tokenizer/                 loads with transformers.AutoTokenizer.from_pretrained
     {split}_{k:05d}.bin        raw little-endian uint16/uint32 token ids (np.memmap-able)
     {split}_{k:05d}.idx.npy    int64 document boundaries in that shard (n_docs + 1 offsets)
-Every document is stored as its tokens followed by one EOS token.
+    {split}_{k:05d}.mask.bin   chat data only: one uint8 per token, 1 where the loss trains
+Every document is stored as its tokens followed by one EOS token; an example of chat data
+(`manifest.chat` set, data/chat.py) as its chat template renders it, with no EOS added.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class ShardInfo:
     sha256: str
     index_file: str
     index_sha256: str
+    mask_file: str | None = None  # chat data: the loss mask (one uint8 per token)
+    mask_sha256: str | None = None
 
 
 @dataclass
@@ -73,6 +77,9 @@ class Manifest:
     tokenizer_sha256: str
     args: dict[str, Any]
     splits: dict[str, SplitInfo]
+    # Chat/instruction data (data/chat.py): seq_len, train_on, too_long and the example counts
+    # (kept, truncated, dropped, trained tokens); None for a text corpus.
+    chat: dict[str, Any] | None = None
     data_dir: Path | None = None
 
     @property
@@ -91,6 +98,12 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("data_dir")
+        if out["chat"] is None:  # a text corpus's manifest reads as it always has
+            out.pop("chat")
+        for split in out["splits"].values():
+            for sh in split["shards"]:
+                if sh["mask_file"] is None:
+                    sh.pop("mask_file"), sh.pop("mask_sha256")
         return out
 
 
@@ -189,6 +202,8 @@ def load_manifest(data_dir: str | os.PathLike, verify: bool = False) -> Manifest
             _check_file(data_dir / sh.file, sh.tokens * itemsize, sh.sha256 if verify else None)
             idx_bytes = None  # .npy has a header, so only existence and checksum are checked
             _check_file(data_dir / sh.index_file, idx_bytes, sh.index_sha256 if verify else None)
+            if sh.mask_file is not None:
+                _check_file(data_dir / sh.mask_file, sh.tokens, sh.mask_sha256 if verify else None)
     if verify and sha256_dir(manifest.tokenizer_dir) != manifest.tokenizer_sha256:
         raise DataError(f"{manifest.tokenizer_dir}: checksum does not match {path}")
     return manifest
@@ -217,7 +232,12 @@ def verify_shards(data_dir: str | os.PathLike, log=None) -> Manifest:
         name: sha
         for split in manifest.splits.values()
         for sh in split.shards
-        for name, sha in ((sh.file, sh.sha256), (sh.index_file, sh.index_sha256))
+        for name, sha in (
+            (sh.file, sh.sha256),
+            (sh.index_file, sh.index_sha256),
+            (sh.mask_file, sh.mask_sha256),
+        )
+        if name is not None
     }
     stamp = _stamp_path(d)
     with _locked(stamp):  # ranks of one host starting together hash once, not once each

@@ -102,6 +102,11 @@ def load_data(spec: str, seq_len: int | None = None, verify: bool = False, log=N
         _check_windows(m, seq_len)
     first = manifests[0]
     for p, m in zip(parts[1:], manifests[1:]):
+        if (m.chat is None) != (first.chat is None):
+            raise DataError(
+                f"--data: {p.folder} and {parts[0].folder} mix chat data and a text corpus; "
+                "a mixture takes one kind"
+            )
         if _token_ids(m) != _token_ids(first):
             raise DataError(
                 f"--data: {p.folder} and {parts[0].folder} were prepared with different "
@@ -115,6 +120,17 @@ def load_data(spec: str, seq_len: int | None = None, verify: bool = False, log=N
 
 
 def _check_windows(m: Manifest, seq_len: int) -> None:
+    if m.chat is not None:  # one example per sample (data/examples.py)
+        from data.examples import check_fits
+
+        check_fits(m, seq_len)
+        empty = next((name for name, split in m.splits.items() if not split.documents), None)
+        if empty is not None:
+            raise DataError(
+                f"the {empty} split of {m.data_dir} holds no example; prepare it with a larger "
+                "--val-fraction or more examples"
+            )
+        return
     for name, split in m.splits.items():
         if split.tokens < seq_len + 1:
             raise DataError(
@@ -136,11 +152,15 @@ def _token_ids(m: Manifest) -> tuple:
 
 
 def open_split(spec: str, split: str, seq_len: int):
-    """The reader's dataset for `--data SPEC`: a TokenDataset for one folder, else a Mixture."""
+    """The reader's dataset for `--data SPEC`: a TokenDataset for one folder (an ExampleDataset
+    for chat data), else a Mixture."""
+    from data.examples import ExampleDataset
     from data.reader import TokenDataset
 
     parts = parse_spec(spec)
-    sets = [TokenDataset(p.folder, split, seq_len) for p in parts]
+    chat = load_manifest(parts[0].folder).chat is not None
+    kind = ExampleDataset if chat else TokenDataset
+    sets = [kind(p.folder, split, seq_len) for p in parts]
     return sets[0] if len(parts) == 1 else Mixture(parts, sets)
 
 
@@ -155,6 +175,7 @@ class Mixture:
         self.parts, self.datasets = list(parts), list(datasets)
         self.seq_len = datasets[0].seq_len
         self.manifest = datasets[0].manifest
+        self.masked = getattr(datasets[0], "masked", False)
         self._offsets = np.cumsum([0] + [len(d) for d in datasets])
         # The tokens a mixture's batch holds come from the sources in proportion to the weights.
         self.bytes_per_token = sum(float(p.weight) * d.bytes_per_token for p, d in self.sources())

@@ -3,6 +3,10 @@
     python -m data.prepare --source pystdlib --out data_cache/pystdlib
     python -m data.prepare --source path/to/owt/ --out data_cache/owt --num-proc 8
     python -m data.prepare --source Skylion007/openwebtext --out data_cache/owt --num-proc 16
+    python -m data.prepare --source chats.jsonl --tokenizer HF_DIR --out data_cache/sft
+
+Chat and instruction JSONL (data/chat.py) is rendered with the tokenizer's chat template and
+written with a per-token loss mask.
 
 Documents stream from the source through a pool of tokenizer processes into shards, with a
 bounded number of batches in flight, so memory stays flat whatever the corpus size. Everything
@@ -18,6 +22,7 @@ import shutil
 import sys
 import types
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +59,12 @@ def prepare(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     dtype: str = "auto",
     progress: bool = True,
+    chat: bool | None = None,
+    chat_template: str | os.PathLike | None = None,
+    train_on: str = "assistant",
+    seq_len: int = 2048,
+    too_long: str = "truncate",
+    val_source: str | os.PathLike | None = None,
 ) -> Path:
     """Tokenize SOURCE into the dataset folder `out` and return it.
 
@@ -61,6 +72,12 @@ def prepare(
     Trains a SentencePiece tokenizer of `vocab_size` on `sample_bytes` of text, or reuses the HF
     tokenizer folder `tokenizer`. A complete folder prepared with the same arguments is reused
     as is. Bad input raises DataError before any work.
+
+    Chat data (`chat`; None: local JSONL whose first row has a chat shape, see data/chat.py)
+    needs `tokenizer`, renders with its chat template or `chat_template` (a Jinja file), and
+    trains on the tokens `train_on` names; examples over seq_len + 1 tokens are truncated or
+    dropped (`too_long`), and counted in the manifest's `chat`. `val_source` (chat data): the
+    validation split is that JSONL's rows, and every row of SOURCE trains.
     """
     from data.manifest import dtype_for_vocab
     from data.tokenizer import (
@@ -78,6 +95,32 @@ def prepare(
         dtype_for_vocab(vocab_size, dtype)
     else:
         dtype_for_vocab(check_hf_tokenizer(tokenizer)["vocab_size"], dtype)
+    from data.chat import is_chat_source
+
+    if chat is None:
+        chat = is_chat_source(str(source))
+    if chat:
+        return _prepare_chat(
+            source,
+            out,
+            tokenizer,
+            chat_template,
+            train_on,
+            seq_len,
+            too_long,
+            val_fraction=val_fraction,
+            seed=seed,
+            shard_tokens=shard_tokens,
+            dtype=dtype,
+            progress=progress,
+            val_source=val_source,
+        )
+    if chat_template is not None or val_source is not None:
+        flag = "--chat-template" if chat_template is not None else "--val-source"
+        raise DataError(
+            f"{flag} is for chat data, and {source} is a text corpus (its first row has no "
+            "'messages', 'prompt'/'completion' or 'instruction'/'output'); drop it or use --chat"
+        )
     src = resolve_source(source, text_field)
     args = _canonical(
         {
@@ -156,6 +199,115 @@ def prepare(
             f"{name}: {s.documents} documents, {s.tokens} tokens, {s.bytes} bytes, "
             f"{len(s.shards)} shards",
         )
+    return out
+
+
+def _prepare_chat(
+    source,
+    out,
+    tokenizer,
+    template_file,
+    train_on,
+    seq_len,
+    too_long,
+    *,
+    val_fraction,
+    seed,
+    shard_tokens,
+    dtype,
+    progress,
+    val_source=None,
+) -> Path:
+    """prepare() for chat/instruction JSONL (data/chat.py); the same folder layout, each shard
+    with its loss mask."""
+    from data.chat import TOO_LONG, TRAIN_ON, chat_files, chat_template_of, write_chat_splits
+    from data.manifest import dtype_for_vocab
+    from data.tokenizer import check_hf_tokenizer, copy_hf_tokenizer, special_ids
+
+    if tokenizer is None:
+        raise DataError(
+            f"{source} is chat data: give the model's tokenizer with --tokenizer HF_DIR"
+        )
+    if train_on not in TRAIN_ON:
+        raise DataError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    if too_long not in TOO_LONG:
+        raise DataError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {too_long!r}")
+    if seq_len < 1:
+        raise DataError(f"--seq-len must be at least 1, got {seq_len}")
+    out = Path(out)
+    _check_options(8192, 1, val_fraction, None, 1, shard_tokens)
+    vocab = check_hf_tokenizer(tokenizer)["vocab_size"]
+    dtype_for_vocab(vocab, dtype)
+    files = chat_files(str(source))
+    val_files = chat_files(str(val_source)) if val_source is not None else []
+    template = chat_template_of(tokenizer, template_file)
+    args = _canonical(
+        {
+            "source": os.path.abspath(os.path.expanduser(str(source))),
+            "files": [str(f) for f in files],
+            "val_files": [str(f) for f in val_files],
+            "tokenizer": sha256_dir(Path(tokenizer)) if Path(tokenizer).is_dir() else tokenizer,
+            "chat_template": template,
+            "train_on": train_on,
+            "seq_len": seq_len,
+            "too_long": too_long,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "shard_tokens": shard_tokens,
+            "dtype": dtype,
+        }
+    )
+    if _reuse(out, args) is not None:
+        _log(progress, f"reusing {out}: already prepared with the same arguments")
+        return out
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    _remove_stale_partials(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tok_dir = tmp / TOKENIZER_DIR
+        copy_hf_tokenizer(tokenizer, tok_dir, chat_template=template)
+        ids = special_ids(tok_dir)
+        out_dtype = dtype_for_vocab(ids["vocab_size"], dtype)
+        splits, counts = write_chat_splits(
+            str(source),
+            tmp,
+            tok_dir,
+            out_dtype,
+            seq_len=seq_len,
+            train_on=train_on,
+            too_long=too_long,
+            val_fraction=val_fraction,
+            seed=seed,
+            shard_tokens=shard_tokens,
+            progress=progress,
+            val_source=None if val_source is None else str(val_source),
+        )
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            source=str(source),
+            source_detail=f"chat data: {len(files)} JSONL files",
+            vocab_size=ids["vocab_size"],
+            eos_id=ids["eos_id"],
+            bos_id=ids["bos_id"],
+            pad_id=ids["pad_id"],
+            dtype=out_dtype,
+            tokenizer_sha256=sha256_dir(tok_dir),
+            args=args,
+            splits=splits,
+            chat=asdict(counts),
+        )
+        write_manifest(tmp, manifest)  # last file: its presence marks the folder complete
+        _publish(tmp, out, args)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log(
+        progress,
+        f"{counts.examples} examples ({counts.truncated} truncated, {counts.dropped_too_long} "
+        f"dropped as too long, {counts.dropped_untrained} with nothing to train on); trained "
+        f"tokens: {counts.trained_tokens}",
+    )
     return out
 
 
@@ -276,6 +428,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    chat = p.add_argument_group("chat and instruction JSONL (needs --tokenizer)")
+    chat.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read SOURCE as chat data (default: when its first JSONL row has a chat shape)",
+    )
+    chat.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    chat.add_argument(
+        "--val-source", default=None, help="JSONL of the validation split (else --val-fraction)"
+    )
+    chat.add_argument(
+        "--train-on",
+        default="assistant",
+        choices=["assistant", "completion", "all"],
+        help="tokens the loss trains on: every assistant turn, the last one, or all",
+    )
+    chat.add_argument(
+        "--seq-len", type=int, default=2048, help="longest example: seq_len + 1 tokens"
+    )
+    chat.add_argument(
+        "--too-long",
+        default="truncate",
+        choices=["truncate", "drop"],
+        help="what becomes of a longer example",
+    )
     a = p.parse_args(argv)
     try:
         out = prepare(
@@ -292,6 +470,12 @@ def main(argv: list[str] | None = None) -> int:
             shard_tokens=a.shard_tokens,
             dtype=a.dtype,
             progress=not a.quiet,
+            chat=a.chat,
+            chat_template=a.chat_template,
+            train_on=a.train_on,
+            seq_len=a.seq_len,
+            too_long=a.too_long,
+            val_source=a.val_source,
         )
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)

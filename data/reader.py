@@ -120,6 +120,8 @@ def _check_rank(micro_batch: int, rank: int, world: int) -> None:
 
 def _to_xy(samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.from_numpy(samples)
+    if t.dim() == 3:  # chat data: rows of tokens and of targets (data/examples.py)
+        return t[:, 0, :-1].contiguous(), t[:, 1, 1:].contiguous()
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
@@ -160,7 +162,8 @@ class BatchLoader:
         return self._order(positions)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y): LongTensors [micro_batch, seq_len], y = x shifted by one token."""
+        """(x, y): LongTensors [micro_batch, seq_len], y = x shifted by one token (chat data:
+        -100 where the loss mask does not train)."""
         start = self.consumed_samples + self.rank * self.micro_batch
         idx = self.sample_indices(np.arange(start, start + self.micro_batch))
         self.consumed_samples += self.micro_batch * self.world

@@ -48,6 +48,11 @@ def split_of(index: int, val_fraction: float, seed: int) -> bool:
     return pos == int(unit_hash(seed, b) * block)
 
 
+def mask_name(shard: str) -> str:
+    """The loss mask beside a shard of chat data: `train_00000.bin` -> `train_00000.mask.bin`."""
+    return shard.replace(".bin", ".mask.bin")
+
+
 class ShardWriter:
     """Appends whole documents to `{split}_{k:05d}.bin`, starting a new shard at `shard_tokens`."""
 
@@ -58,8 +63,15 @@ class ShardWriter:
         self._lengths: list[np.ndarray] = []
         self._tokens = 0
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, nbytes: np.ndarray) -> None:
-        """Write documents: `tokens` is their concatenation, `lengths` their token counts."""
+    def add(
+        self,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        nbytes: np.ndarray,
+        masks: np.ndarray | None = None,
+    ) -> None:
+        """Write documents: `tokens` is their concatenation, `lengths` their token counts;
+        `masks` (chat data, data/chat.py), one uint8 per token: 1 where the loss trains."""
         self.info.documents += len(lengths)
         self.info.tokens += len(tokens)
         self.info.bytes += int(nbytes.sum())
@@ -74,7 +86,8 @@ class ShardWriter:
             k = max(k, 1) if self._tokens == 0 else k
             if k > 0:
                 end_tok = int(ends[done_docs + k - 1])
-                self._write(tokens[done_tokens:end_tok], lengths[done_docs : done_docs + k])
+                mask = None if masks is None else masks[done_tokens:end_tok]
+                self._write(tokens[done_tokens:end_tok], lengths[done_docs : done_docs + k], mask)
                 done_docs, done_tokens = done_docs + k, end_tok
             if self._tokens >= self.shard_tokens or k == 0:
                 self._close_shard()
@@ -90,18 +103,28 @@ class ShardWriter:
         self._name = name
         self._file = open(self.out / name, "wb")
         self._sha = hashlib.sha256()
+        self._mask_file, self._mask_sha = None, None
         self._lengths, self._tokens = [], 0
 
-    def _write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def _write(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
         data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()  # little-endian hosts
         self._file.write(data)
         self._sha.update(data)
+        if mask is not None:
+            if self._mask_file is None:
+                self._mask_file = open(self.out / mask_name(self._name), "wb")
+                self._mask_sha = hashlib.sha256()
+            bits = np.ascontiguousarray(mask, dtype=np.uint8).tobytes()
+            self._mask_file.write(bits)
+            self._mask_sha.update(bits)
         self._lengths.append(np.asarray(lengths, dtype=np.int64))
         self._tokens += len(tokens)
 
     def _close_shard(self) -> None:
         self._file.close()
         self._file = None
+        if self._mask_file is not None:
+            self._mask_file.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         index_file = self._name.replace(".bin", ".idx.npy")
@@ -115,8 +138,14 @@ class ShardWriter:
                 sha256=self._sha.hexdigest(),
                 index_file=index_file,
                 index_sha256=idx_sha,
+                **(
+                    {"mask_file": mask_name(self._name), "mask_sha256": self._mask_sha.hexdigest()}
+                    if self._mask_file is not None
+                    else {}
+                ),
             )
         )
+        self._mask_file = None
 
 
 def write_splits(

@@ -50,7 +50,7 @@ class Source:
     def documents(self) -> Iterator[str]:
         """Yield every non-empty document, in a stable order."""
         if self.kind == "pystdlib":
-            docs = map(_read_python, self.files)
+            docs = map(read_python, self.files)
         elif self.kind == "files":
             docs = (d for f in self.files for d in _read_local(f, self.text_field))
         elif self.data_files:
@@ -120,7 +120,7 @@ def _pystdlib() -> Source:
     )
 
 
-def _read_python(path: Path) -> str:
+def read_python(path: Path) -> str:
     """The file's exact text ("\\r\\n" kept), decoded as its PEP 263 coding cookie says."""
     data = path.read_bytes()
     try:
@@ -228,7 +228,7 @@ def _check_local(path: Path, text_field: str) -> None:
         with open(path, encoding="utf-8") as f:
             first = next((line for line in f if line.strip()), None)
         if first is not None:
-            row = _json_row(first, path, 1)
+            row = json_row(first, path, 1)
             if text_field not in row:
                 raise DataError(
                     f"{path}: first record has no field {text_field!r} "
@@ -236,7 +236,7 @@ def _check_local(path: Path, text_field: str) -> None:
                 )
 
 
-def _json_row(line: str, path: Path, lineno: int) -> dict:
+def json_row(line: str, path: Path, lineno: int) -> dict:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -254,7 +254,7 @@ def _read_local(path: Path, text_field: str) -> Iterator[str]:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                row = _json_row(line, path, lineno)
+                row = json_row(line, path, lineno)
                 if not isinstance(row.get(text_field), str):
                     raise DataError(f"{path}:{lineno}: field {text_field!r} missing or not text")
                 yield row[text_field]

@@ -235,12 +235,21 @@ def _checked_ids(src: str | os.PathLike) -> dict[str, int | None]:
     return ids
 
 
-def copy_hf_tokenizer(src: str | os.PathLike, out_dir: Path) -> None:
-    """Reuse an existing HF tokenizer folder: check it, then save a copy into out_dir."""
+def copy_hf_tokenizer(
+    src: str | os.PathLike, out_dir: Path, *, chat_template: str | None = None
+) -> None:
+    """Reuse an existing HF tokenizer folder: check it, then save a copy into out_dir. With
+    `chat_template` (chat data, data/chat.py) the copy carries that template (None: its own)
+    and reads special tokens as the template writes them, as `apply_chat_template` does at
+    inference; a text corpus's copy reads them as text."""
     check_hf_tokenizer(src)
     tok = load_tokenizer(src)
-    tok.split_special_tokens = True  # same rule as our own tokenizers: document text is text
-    tok.init_kwargs["split_special_tokens"] = True
+    chat = chat_template is not None
+    if chat:
+        tok.chat_template = chat_template
+    # same rule as our own tokenizers: document text is text
+    tok.split_special_tokens = not chat
+    tok.init_kwargs["split_special_tokens"] = not chat
     tok.save_pretrained(str(out_dir))
 
 

@@ -191,3 +191,57 @@ def resumed_runs(tiny_data, tmp_path_factory) -> dict:
     p = launch(args(run, "--micro-batch", "2", "--grad-accum", "2", *extra), nproc=1)
     out["logs"]["z3_1rank"] = p.stdout + p.stderr
     return out
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer(tiny_data: Path, out: Path, template: str | None = CHATML) -> Path:
+    """An HF tokenizer folder shaped like an instruct model's: tiny_data's tokenizer with the
+    special tokens <|im_start|> and <|im_end|> and a ChatML template (none when None)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_data / "tokenizer"))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = template
+    tok.split_special_tokens = False  # as an instruct model's: the template's tokens are special
+    tok.init_kwargs["split_special_tokens"] = False
+    tok.save_pretrained(str(out))
+    return out
+
+
+def chat_rows(n: int) -> list[dict]:
+    """`n` examples in the three shapes whose completions are one word or a long line,
+    so micro-batches hold very different numbers of trained tokens."""
+    out = []
+    for i in range(n):
+        body = "return " + " + ".join(f"x{k}" for k in range(5 + i % 5)) if i % 2 else "ok"
+        shape = i % 3
+        if shape == 0:
+            out.append({"prompt": f"def f{i}(x):\n", "completion": f"    {body}\n"})
+        elif shape == 1:
+            out.append(
+                {"instruction": f"Name {i}", "input": f"in {i}" if i % 4 else "", "output": body}
+            )
+        else:
+            user = {"role": "user", "content": f"Question {i}?"}
+            out.append({"messages": [{"role": "system", "content": "Be brief."}, user,
+                                     {"role": "assistant", "content": body}]})  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_data(tiny_data, tmp_path_factory) -> Path:
+    """Chat data prepared from `chat_rows(60)` with `chat_tokenizer`, 64-token examples."""
+    from data import prepare
+
+    base = tmp_path_factory.mktemp("chat")
+    tok = chat_tokenizer(tiny_data, base / "tokenizer")
+    src = base / "chat.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(60)))
+    out = base / "sft"
+    prepare(src, out, tokenizer=tok, seq_len=64, val_fraction=0.2, progress=False)
+    return out

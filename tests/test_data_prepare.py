@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from data import DataError, TokenDataset, load_manifest, prepare
 from data.prepare import main
 from data.shards import split_of
-from data.sources import _read_python, resolve_source
+from data.sources import read_python, resolve_source
 
 REPO = Path(__file__).resolve().parent.parent
 OPTS = dict(vocab_size=512, val_fraction=0.1, seed=3, progress=False)
@@ -29,7 +29,7 @@ TRICKY = [
 @pytest.fixture(scope="module")
 def docs():
     files = resolve_source("pystdlib").files
-    code = [_read_python(f)[:6000] for f in files[:: max(1, len(files) // 60)][:60]]
+    code = [read_python(f)[:6000] for f in files[:: max(1, len(files) // 60)][:60]]
     return [d for d in code if d] + TRICKY
 
 

@@ -5,7 +5,7 @@ import sentencepiece as spm
 from transformers import AutoTokenizer
 
 from data.manifest import DataError
-from data.sources import _read_python, resolve_source
+from data.sources import read_python, resolve_source
 from data.tokenizer import encoder, load_tokenizer, train_tokenizer
 
 TRICKY = [
@@ -26,7 +26,7 @@ TRICKY = [
 @pytest.fixture(scope="module")
 def code_docs():
     files = resolve_source("pystdlib").files
-    return [_read_python(f)[:8000] for f in files[:: max(1, len(files) // 80)][:80]]
+    return [read_python(f)[:8000] for f in files[:: max(1, len(files) // 80)][:80]]
 
 
 @pytest.fixture(scope="module")

@@ -94,3 +94,50 @@ def test_help_is_whole():
     text = " ".join(out.split())
     assert "Generate text from an exported model folder with stock transformers: greedily" in text
     assert "--top-k" in text and "--top-p" in text and "nucleus sampling" in text
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tiny_data, tmp_path_factory):
+    """A stock LlamaForCausalLM folder (random weights) with a ChatML-templated tokenizer."""
+    from conftest import chat_tokenizer
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = chat_tokenizer(tiny_data, tmp_path_factory.mktemp("chat") / "hf")
+    config = LlamaConfig(
+        vocab_size=len(AutoTokenizer.from_pretrained(out)), hidden_size=32,
+        intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def test_chat_renders_the_template_and_returns_the_reply(chat_dir, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.sample import end_of_turn
+
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    model = AutoModelForCausalLM.from_pretrained(chat_dir).eval()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    ids = torch.tensor([tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]])
+    assert tok.decode(ids[0]).endswith("<|im_start|>assistant\n")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn(tok, messages) == [im_end]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                             do_sample=False, eos_token_id=[tok.eos_token_id, im_end],
+                             pad_token_id=tok.eos_token_id)  # fmt: skip
+    want = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    got = generate(chat_dir, "hi", max_new_tokens=8, greedy=True, chat=True, system="Be brief.")
+    assert got == want
+    assert main([str(chat_dir), "--chat", "--system", "Be brief.", "--prompt", "hi", "--greedy",
+                 "--max-new-tokens", "8"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == want + "\n"
+
+
+def test_chat_without_a_template_is_refused_in_one_line(hf_dir, capsys):
+    assert main([str(hf_dir), "--chat", "--prompt", "abc"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no chat template" in err[0], err

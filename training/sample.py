@@ -1,6 +1,11 @@
 """Generate text from an exported model folder with stock transformers.
 
     python -m training.sample HF_DIR --prompt "def fibonacci(n):" --max-new-tokens 80 --top-p 0.9
+    python -m training.sample HF_DIR --chat --prompt "Write a haiku" --system "Be brief."
+
+With --chat the prompt is the user's turn: the conversation is rendered with the folder's chat
+template (the one the model was fine-tuned with, data/chat.py), the assistant's turn is
+generated, and only it is printed; it ends at EOS or at the template's end-of-turn token.
 
 The model and tokenizer are loaded with AutoModelForCausalLM/AutoTokenizer and no zerostack model
 code, which is the point: the export stands on its own. What is ours is the sampling rule
@@ -46,9 +51,12 @@ def generate(
     top_k: int = 50,
     top_p: float = 1.0,
     seed: int = 0,
+    chat: bool = False,
+    system: str | None = None,
 ) -> str:
     """Load `hf_dir` with AutoModelForCausalLM/AutoTokenizer and continue `prompt`: greedily, or
-    sampled from `filter_logits(temperature, top_k, top_p)`."""
+    sampled from `filter_logits(temperature, top_k, top_p)`. `chat`: `prompt` (after `system`)
+    is a user's turn rendered with the chat template, and the reply alone is returned."""
     # Heavy: imported once the folder is known to hold a model (so --help and errors are fast).
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
@@ -56,7 +64,15 @@ def generate(
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    stop = [tok.eos_token_id]
+    if chat:
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        stop += end_of_turn(tok, messages)
+    else:
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     sampling = {}
     if not greedy:
         # Ours the only filter: transformers' own warpers (and a generation_config's
@@ -72,9 +88,22 @@ def generate(
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
             pad_token_id=tok.pad_token_id or tok.eos_token_id,
+            eos_token_id=stop,
             **sampling,
         )
-    return tok.decode(out[0], skip_special_tokens=True)
+    return tok.decode(out[0, ids.shape[1] :] if chat else out[0], skip_special_tokens=True)
+
+
+def end_of_turn(tok, messages: list[dict]) -> list[int]:
+    """The special token the template closes an assistant turn with (e.g. <|im_end|>), found by
+    rendering a reply and reading what follows it; [] when that is not a special token."""
+    marker = "\x00reply\x00"
+    text = tok.apply_chat_template(
+        [*messages, {"role": "assistant", "content": marker}], tokenize=False
+    )
+    after = text.partition(marker)[2]
+    ids = tok(after, add_special_tokens=False).input_ids if after else []
+    return ids[:1] if ids and ids[0] in tok.all_special_ids else []
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,6 +125,13 @@ def parser() -> argparse.ArgumentParser:
         "(nucleus sampling); 1.0: all",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user's turn: render it with the folder's chat template and print "
+        "the assistant's reply",
+    )
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
     return p
 
 
@@ -117,11 +153,25 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(a.hf_dir) / "config.json").is_file():
         print(f"error: {a.hf_dir} holds no exported model (no config.json)", file=sys.stderr)
         return 2
+    if a.chat and not _has_template(a.hf_dir):
+        print(
+            f"error: --chat: {a.hf_dir}'s tokenizer has no chat template (train on chat data "
+            "prepared with one, or add chat_template to its tokenizer_config.json)",
+            file=sys.stderr,
+        )
+        return 2
     text = generate(
-        a.hf_dir, a.prompt, a.max_new_tokens, a.greedy, a.temperature, a.top_k, a.top_p, a.seed
-    )
+        a.hf_dir, a.prompt, a.max_new_tokens, a.greedy, a.temperature, a.top_k, a.top_p, a.seed,
+        chat=a.chat, system=a.system,
+    )  # fmt: skip
     print(text)
     return 0
+
+
+def _has_template(hf_dir: str) -> bool:
+    from transformers import AutoTokenizer
+
+    return bool(getattr(AutoTokenizer.from_pretrained(hf_dir), "chat_template", None))
 
 
 def _bad_value(a) -> str | None:

@@ -269,6 +269,8 @@ def train_loop(t: Training) -> dict:
         flops_per_token=record["flops_per_token"],
         ceiling=LiveCeiling(record["peak_flops_per_rank"] * dist.world, t.reprobe, dist.world),
         compiled=record["compiled"],
+        token_weighted=getattr(loader.dataset, "masked", False),
+        eval_on_start=settings.eval_on_start,
         profiler=StepProfiler(
             parse_span(settings.profile), run_dir / "profile", dist.is_main, dist.device.type
         )

@@ -13,6 +13,14 @@ import torch.distributed as dist
 from torch import nn
 
 
+def model_inputs(x: torch.Tensor, y: torch.Tensor, num_items: float | None = None) -> dict:
+    """The model's arguments for a micro-batch, the same for every engine; `num_items` (masked
+    data) divides the summed per-token loss instead of taking its mean (models/llama.py
+    `causal_lm_loss`, transformers' ForCausalLMLoss)."""
+    weighed = {} if num_items is None else {"num_items_in_batch": num_items}
+    return {"input_ids": x, "labels": y, "shift_labels": y, **weighed}
+
+
 @dataclass
 class StepResult:
     grad_norm: float | None
@@ -54,10 +62,13 @@ class Engine(ABC):
         """The unwrapped model (for export, generate, FLOPs)."""
 
     @abstractmethod
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, boundary: bool) -> torch.Tensor:
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, boundary: bool, num_items: float | None = None
+    ) -> torch.Tensor:
         """One micro-batch; gradients are reduced only on the boundary. The loss returned sums the
         micro-batches this call completed (the pipeline engine completes the whole step on the
-        boundary)."""
+        boundary). `num_items` (masked data): the micro-batch loss is the sum of its per-token
+        losses over this, not their mean (training/loop/loop.py: token_weights)."""
 
     @abstractmethod
     def step(self) -> StepResult:
@@ -68,8 +79,11 @@ class Engine(ABC):
         """The schedule's value for this step."""
 
     @abstractmethod
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """A no-grad forward; every rank calls (ZeRO-3 gathers, the pipeline passes stages)."""
+    def eval_loss(
+        self, x: torch.Tensor, y: torch.Tensor, num_items: float | None = None
+    ) -> torch.Tensor:
+        """A no-grad forward; every rank calls (ZeRO-3 gathers, the pipeline passes stages).
+        `num_items` as for forward_backward (1: the sum of the per-token losses)."""
 
     @abstractmethod
     def save(self, root: Path, tag: str, client_state: dict) -> None:

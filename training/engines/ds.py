@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
 from models import transformer_blocks
-from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.base import Engine, OptimizerConfig, StepResult, model_inputs
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.engines.sequence import SequenceParallel
@@ -119,13 +119,13 @@ class DeepSpeedEngine(Engine):
     def module(self):
         return self.engine.module
 
-    def _inputs(self, x, y) -> dict:
+    def _inputs(self, x, y, num_items=None) -> dict:
         if self.sequence:
             return self.sequence.inputs(x, y)
-        return {"input_ids": x, "labels": y, "shift_labels": y}
+        return model_inputs(x, y, num_items)
 
-    def forward_backward(self, x, y, boundary: bool) -> torch.Tensor:
-        loss = self.engine(**self._inputs(x, y)).loss
+    def forward_backward(self, x, y, boundary: bool, num_items=None) -> torch.Tensor:
+        loss = self.engine(**self._inputs(x, y, num_items)).loss
         scale = self.sequence.backward_scale if self.sequence else 1.0
         if self.sums_gradients:  # the ranks' gradients are summed: their mean, as DeepSpeed's
             scale /= self.dp_world
@@ -164,8 +164,8 @@ class DeepSpeedEngine(Engine):
             group["lr"] = lr
 
     @torch.no_grad()
-    def eval_loss(self, x, y) -> torch.Tensor:
-        loss = self.engine(**self._inputs(x, y)).loss
+    def eval_loss(self, x, y, num_items=None) -> torch.Tensor:
+        loss = self.engine(**self._inputs(x, y, num_items)).loss
         return self.sequence.whole_loss(loss) if self.sequence else loss.detach()
 
     def train(self) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from data import Mixture, eval_batches
+from data.examples import IGNORE_INDEX
 from data.manifest import small_val_warning
 
 
@@ -40,9 +41,15 @@ def evaluate(
 
 
 def _mean_loss(engine, dataset, micro_batch, rank, world, max_samples, device) -> float:
+    """The mean loss over batches; on masked (chat) data over trained tokens."""
     engine.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, batches
+    masked = getattr(dataset, "masked", False)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, batches/tokens
     for x, y in eval_batches(dataset, micro_batch, rank, world, max_samples=max_samples):
+        if masked:  # the per-token losses' sum, and how many tokens it holds
+            total[0] += engine.eval_loss(x.to(device), y.to(device), num_items=1.0).double()
+            total[1] += int((y != IGNORE_INDEX).sum())
+            continue
         loss = engine.eval_loss(x.to(device), y.to(device))
         total[0] += loss.double()
         total[1] += 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from data.examples import IGNORE_INDEX
 from training.checkpoints import layout
 from training.engines.base import Engine, StepResult
 from training.loop.divergence import BadStepCounter
@@ -50,6 +51,8 @@ class LoopConfig:
     ceiling: LiveCeiling  # what MFU divides by
     compiled: str | None = None  # what --compile compiled: the first step's time is said
     profiler: StepProfiler | None = None  # --profile
+    token_weighted: bool = False  # masked (chat) data: the loss is weighed by trained tokens
+    eval_on_start: bool = False  # an evaluation at step 0 (a fresh run's, not a resume's)
 
     @property
     def steps(self) -> int:
@@ -131,6 +134,8 @@ def run(
     first_step = state.step
     engine.train()
     profiler = config.profiler
+    if config.eval_on_start and state.step == 0:
+        evaluator(0)
     while state.step < config.steps:
         if profiler:
             profiler.before_step(state.step + 1)
@@ -141,7 +146,9 @@ def run(
         if state.step == max(first_step, 1):
             count_states = lambda: log_state_bytes(engine, logger, state.step + 1)  # noqa: E731
         started = time.perf_counter()
-        step_loss = _micro_batches(engine, loader, config.grad_accum, device, count_states, timer)
+        step_loss = _micro_batches(
+            engine, loader, config.grad_accum, device, count_states, timer, config.token_weighted
+        )
         result = engine.step()
         state.step += 1
         if config.compiled and state.step == first_step + 1:  # torch.compile runs in step 1
@@ -206,22 +213,37 @@ class LossMeter:
         return mean
 
 
-def _micro_batches(engine, loader, grad_accum, device, after_first, timer) -> torch.Tensor:
+def _micro_batches(engine, loader, grad_accum, device, after_first, timer, weighted=False):
     """One step's micro-batches through the engine; returns their summed loss. `after_first`,
-    when given, runs after the first micro-batch, its time kept out of tokens/s."""
+    when given, runs after the first micro-batch, its time kept out of tokens/s. `weighted`:
+    the step's batches are read first, to weigh each loss by the step's trained tokens."""
     step_loss = torch.zeros((), dtype=torch.float32, device=device)
+    batches = [loader.next_batch() for _ in range(grad_accum)] if weighted else None
+    weights = {"num_items": token_weights([y for _, y in batches], device)} if weighted else {}
     for micro in range(grad_accum):
-        x, y = loader.next_batch()
+        x, y = batches[micro] if weighted else loader.next_batch()
         loss = engine.forward_backward(
             x.to(device, non_blocking=True),
             y.to(device, non_blocking=True),
             boundary=micro == grad_accum - 1,
+            **weights,
         )
         step_loss += loss.float()
         if micro == 0 and after_first is not None:
             with timer.paused():
                 after_first()
     return step_loss
+
+
+def token_weights(targets: list[torch.Tensor], device) -> float:
+    """What each micro-batch's summed per-token loss is divided by, on masked data: the step's
+    trained tokens per replica and micro-batch, averaged over every rank (tensor-parallel ranks
+    count their shared batch alike). The engines take the mean over micro-batches and replicas,
+    so the gradient is the sum of every trained token's loss in the global batch divided once
+    by their count, however unevenly the micro-batches hold them. All ranks call."""
+    here = sum(float((y != IGNORE_INDEX).sum()) for y in targets)
+    (mean,) = all_reduce_scalars([here], device)
+    return mean / len(targets) if mean > 0 else 1.0  # no trained token anywhere: a zero loss
 
 
 def log_state_bytes(engine, logger, step: int) -> None:

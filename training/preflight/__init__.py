@@ -24,7 +24,7 @@ from training.loop.schedule import Schedule
 from training.memory.plan import shape_of_config
 from training.preflight import precision as precisions
 from training.preflight.command_line import check_flags, check_launch_env
-from training.preflight.engine import check_engine, check_parallel
+from training.preflight.engine import check_chat_data, check_engine, check_parallel
 from training.preflight.memory import check_memory
 from training.preflight.model_folder import (
     check_lengths,
@@ -154,6 +154,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         settings.attention, device, settings.seq_len, settings.doc_mask
     )
     check_parallel(settings, cfg, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
+    check_chat_data(settings, cfg, cfg_path, manifest)
     if settings.backend == "deepspeed":
         check_memory(settings, cfg, cfg_path, shape, world, host.ranks_here)
     now = Topology(

@@ -47,6 +47,29 @@ def check_parallel(
         )
 
 
+def check_chat_data(settings: Settings, cfg: dict, cfg_path: str, manifest) -> None:
+    """What chat data (a loss mask, one example per sample) does not compose with: the loop
+    weighs the loss by trained tokens through the engine's micro-batch loss, which the pipeline
+    engine does not expose and Ulysses splits across ranks."""
+    if getattr(manifest, "chat", None) is None:
+        return
+    if ds_config.pipeline_stages(cfg) > 1:
+        raise ConfigError(
+            f"{cfg_path}: chat data with the pipeline engine: its loss is not weighed by "
+            "trained tokens; use a non-pipeline config"
+        )
+    if parallel.sequence_size(cfg) > 1:
+        raise ConfigError(
+            f"{cfg_path}: chat data with sequence_parallel_size > 1 is not supported; use a "
+            "config without sequence parallelism"
+        )
+    if settings.doc_mask:
+        raise ConfigError(
+            f"--doc-mask: {settings.data} is chat data, one example per sequence already; "
+            "drop the flag"
+        )
+
+
 def check_tp_plan(model_cfg, model: str, cfg_path: str) -> None:
     """A transformers model's tensor-parallel plan in styles DeepSpeed's AutoTP applies: it
     refuses any other inside deepspeed.initialize, after every rank has started."""

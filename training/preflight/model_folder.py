@@ -89,6 +89,8 @@ def check_lengths(settings: Settings, model_cfg, manifest) -> None:
             f"--seq-len {settings.seq_len} is longer than --model {settings.model}'s "
             f"{positions} positions (max_position_embeddings); use --seq-len {positions} or less"
         )
+    if getattr(manifest, "chat", None) is not None:
+        return  # one example per sample: data.load_data checked each fits seq_len + 1
     for name, split in getattr(manifest, "splits", {}).items():
         tokens = getattr(split, "tokens", None)
         if isinstance(tokens, int) and tokens < settings.seq_len + 1:

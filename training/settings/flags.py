@@ -94,6 +94,11 @@ class Settings:
     log_every: int = flag(10, aliases=["--logging_steps"])
     eval_every: int = flag(100, "0: only at the end", aliases=["--eval_steps"])
     eval_samples: int = flag(64, "validation windows per evaluation")
+    eval_on_start: bool = flag(
+        False,
+        "evaluate before the first step too (step 0: the starting model's figures, e.g. a "
+        "base model's before fine-tuning)",
+    )
     save_every: int = flag(100, "0: only at the end; -1: never", aliases=["--save_steps"])
     keep_last: int = flag(3, "checkpoints to keep, newest first (0: keep all)")
     activation_checkpointing: bool = flag(
