@@ -129,6 +129,16 @@ CONFIG_CASES = {
         "did you mean 'cpu_checkpointing'?",
     ),
     "load_universal by hand": ({"checkpoint": {"load_universal": True}}, "decided by --universal"),
+    # DeepSpeed's writers: decoupled returns before its files are written (they would be sealed
+    # half-written); the fast one was not verified under the sealing rule.
+    "decoupled writer": (
+        {"checkpoint": {"writer": {"decoupled": True}}},
+        "checkpoint.writer (decoupled writer) is not applied",
+    ),
+    "fast writer": (
+        {"checkpoint": {"writer": {"type": "fast", "decoupled": False}}},
+        "checkpoint.writer (fast writer) is not applied",
+    ),
 }
 
 
