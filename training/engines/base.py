@@ -72,8 +72,10 @@ class Engine(ABC):
         """A no-grad forward; every rank calls (ZeRO-3 gathers, the pipeline passes stages)."""
 
     @abstractmethod
-    def save(self, root: Path, tag: str, client_state: dict) -> None:
-        """Write this engine's files for checkpoint `tag` (all ranks call)."""
+    def save(self, root: Path, tag: str, client_state: dict, writer=None) -> None:
+        """Write this engine's files for checkpoint `tag` (all ranks call). With a `writer`
+        (checkpoints/background.py, --async-save) hand each file's object to `writer.save`
+        instead: it stages a copy and writes it in the background."""
 
     @abstractmethod
     def load(self, root: Path, tag: str) -> None:
