@@ -191,3 +191,34 @@ def test_kill_9_during_a_background_save_never_seals_it(tiny_data, reference, tm
     want = {x["step"]: x["loss"] for x in read_metrics(reference)}
     assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
     assert json.loads((root / "step_00000012" / "complete.json").read_text())["files"]
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_background_save_in_flight_finishes_it_then_saves_and_resumes_exactly(
+    tiny_data, reference, tmp_path
+):
+    """SIGTERM to rank 1 the moment a background save starts: the save in flight is finished
+    and sealed within the grace, the stop step is saved and sealed too, `latest` names it, and
+    the re-run ends where an uninterrupted synchronous run ends."""
+    out = tmp_path / "preempted"
+    run = args(tiny_data, out, "--async-save", save_every=2)
+    job = Job.torchrun(run)
+    try:
+        job.wait_for(r"saving checkpoint step_00000004 in the background")
+        os.kill(job.rank_pid(1), signal.SIGTERM)
+        m = job.wait_for(r"stopped by SIGTERM \(received by rank 1\) after step (\d+)[^\n]*")
+        job.finish()
+    finally:
+        job.kill()
+    stopped = int(m.group(1))
+    assert stopped < STEPS
+    assert f"resume from {layout.tag_for(stopped)}" in m.group(0)
+    root = out / "checkpoints"
+    assert (root / "latest").read_text() == layout.tag_for(stopped)
+    assert layout.is_complete(root / "step_00000004")  # the one in flight at the signal
+    assert layout.is_complete(root / layout.tag_for(stopped))
+    r = launch(run)
+    assert f"resumed from {layout.tag_for(stopped)}" in r.stdout + r.stderr
+    got = {x["step"]: x["loss"] for x in read_metrics(out)}
+    want = [x["loss"] for x in read_metrics(reference)]
+    assert [got[s] for s in range(1, STEPS + 1)] == want

@@ -59,8 +59,18 @@ class Saver:
         }
         tag = layout.tag_for(state.step)
         if not self.async_save:
+            started = time.perf_counter()
             layout.save(
                 self.engine, self.root, state.step, trainer_state, self.keep_last, self.is_main
+            )
+            took = time.perf_counter() - started
+            self.logger.log(
+                {
+                    "kind": "checkpoint",
+                    "step": state.step,
+                    "async": False,
+                    "stall_s": round(took, 4),
+                }
             )
             self.logger.console(f"saved checkpoint {tag}")
             return
