@@ -99,6 +99,10 @@ def stall(args, work: Path) -> int:
             "stall_per_save_s": sum(r["stall_s"] for r in saves) / len(saves),
             "write_s": [r.get("write_s") for r in saves],
             "staged_bytes": max((r.get("staged_bytes", 0) for r in saves), default=0),
+            **{
+                f"{k}_per_save_s": sum(r.get(k, 0) for r in saves) / len(saves)
+                for k in ("stage_s", "wait_s", "seal_s")
+            },
             "step_s_after_save": sum(overlapped) / len(overlapped) if overlapped else None,
             "step_s_other": sum(others) / len(others) if others else None,
         }
@@ -119,17 +123,22 @@ def stall(args, work: Path) -> int:
         f"{out['host']}\n"
     )
     print(
-        "| saves | loop stall per save s | background write s | step s (interval holding a "
-        "save) | step s (others) | peak RSS MiB |"
+        "| saves | loop stall per save s | of which copy / wait / seal | background write s | "
+        "step s (interval holding a save) | step s (others) | peak RSS MiB |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for mode, r in results.items():
         writes = [w for w in r["write_s"] if w is not None]
         w = f"{sum(writes) / len(writes):.2f}" if writes else "-"
         after = f"{r['step_s_after_save']:.2f}" if r["step_s_after_save"] else "-"
         other = f"{r['step_s_other']:.2f}" if r["step_s_other"] else "-"
+        parts = (
+            " / ".join(f"{r[k + '_per_save_s']:.2f}" for k in ("stage_s", "wait_s", "seal_s"))
+            if mode == "async"
+            else "-"
+        )
         print(
-            f"| {mode} | {r['stall_per_save_s']:.2f} | {w} | {after} | {other} | "
+            f"| {mode} | {r['stall_per_save_s']:.2f} | {parts} | {w} | {after} | {other} | "
             f"{r['peak_rss_bytes'] / 2**20:,.0f} |"
         )
     return 0

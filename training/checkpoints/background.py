@@ -61,6 +61,10 @@ class BackgroundWriter:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        try:  # Linux: a thread has its own nice value; the step's threads come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while True:
             item = self._queue.get()
             if item is _DONE:

@@ -14,6 +14,7 @@ re-run resumes from."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from training.checkpoints import layout
@@ -22,6 +23,16 @@ from training.runtime.distributed import all_reduce_scalars
 # What a save in flight gets to finish after a stop signal: well inside the 30 s a scheduler
 # usually allows between SIGTERM and SIGKILL, leaving room to exit.
 STOP_GRACE_S = 20.0
+
+
+@dataclass
+class InFlight:
+    """A background save not sealed yet, and what of it the loop has waited for so far."""
+
+    step: int
+    writer: object  # checkpoints/background.py: BackgroundWriter
+    stage_s: float  # the loop blocked while the states were copied
+    wait_s: float = 0.0  # ... waiting for the writers (a save came due first, the run's end)
 
 
 class Saver:
@@ -43,7 +54,7 @@ class Saver:
         self.root, self.keep_last, self.world, self.is_main = root, keep_last, world, is_main
         self.run_facts = run_facts  # backend, topology, model, data: what resume and export read
         self.async_save, self.device = async_save, device
-        self.pending: tuple[int, object, float] | None = None  # (step, writer, loop's stall)
+        self.pending: InFlight | None = None
 
     def __call__(self, state) -> None:
         """All ranks call: checkpoint the end of step `state.step` (with --async-save: start
@@ -77,10 +88,10 @@ class Saver:
         self.settle()
         started = time.perf_counter()
         writer = layout.save_async(self.engine, self.root, state.step, trainer_state, self.is_main)
-        stall = time.perf_counter() - started
-        self.pending = (state.step, writer, stall)
+        stage = time.perf_counter() - started
+        self.pending = InFlight(state.step, writer, stage)
         self.logger.console(
-            f"saving checkpoint {tag} in the background (the loop waited {stall:.2f} s for a "
+            f"saving checkpoint {tag} in the background (the loop waited {stage:.2f} s for a "
             f"{writer.staged_bytes / 2**20:,.1f} MiB host copy on rank 0)"
         )
 
@@ -89,7 +100,7 @@ class Saver:
         writer is done."""
         if self.pending is None:
             return
-        busy = all_reduce_scalars([0.0 if self.pending[1].done() else 1.0], self.device, "max")
+        busy = all_reduce_scalars([0.0 if self.pending.writer.done() else 1.0], self.device, "max")
         if not busy[0]:
             self._seal()
 
@@ -98,8 +109,10 @@ class Saver:
         when some rank's writer did not finish in time: then nothing is sealed."""
         if self.pending is None:
             return True
-        done = self.pending[1].wait(timeout)
+        started = time.perf_counter()
+        done = self.pending.writer.wait(timeout)
         late = all_reduce_scalars([0.0 if done else 1.0], self.device, "max")
+        self.pending.wait_s += time.perf_counter() - started
         if late[0]:
             return False
         self._seal()
@@ -108,7 +121,7 @@ class Saver:
     def stop(self, state, saved: bool) -> str:
         """All ranks call at an agreed stop: save step `state.step` unless `saved` and seal it;
         a save in flight gets STOP_GRACE_S. Returns the tag a re-run resumes from."""
-        if self.pending is not None and self.pending[0] != state.step:
+        if self.pending is not None and self.pending.step != state.step:
             if not self.settle(STOP_GRACE_S):
                 return self._unfinished()
         if not saved:
@@ -118,7 +131,7 @@ class Saver:
         return layout.tag_for(state.step)
 
     def _unfinished(self) -> str:
-        tag, latest = layout.tag_for(self.pending[0]), self.latest()
+        tag, latest = layout.tag_for(self.pending.step), self.latest()
         self.logger.console(
             f"the background save of {tag} did not finish within {STOP_GRACE_S:.0f} s of the "
             f"stop: it stays unsealed (set aside on the next start); a re-run resumes from "
@@ -128,22 +141,27 @@ class Saver:
         return latest
 
     def _seal(self) -> None:
-        step, writer, stall = self.pending
-        self.pending = None
-        layout.seal(self.root, step, writer, self.keep_last, self.is_main)
-        written = (writer.finished or time.monotonic()) - writer.started
+        p, self.pending = self.pending, None
+        started = time.perf_counter()
+        layout.seal(self.root, p.step, p.writer, self.keep_last, self.is_main)
+        seal = time.perf_counter() - started
+        written = (p.writer.finished or time.monotonic()) - p.writer.started
         self.logger.log(
             {
                 "kind": "checkpoint",
-                "step": step,
+                "step": p.step,
                 "async": True,
-                "stall_s": round(stall, 4),
+                # what the loop was blocked for this save: the copy, any wait, the seal
+                "stall_s": round(p.stage_s + p.wait_s + seal, 4),
+                "stage_s": round(p.stage_s, 4),
+                "wait_s": round(p.wait_s, 4),
+                "seal_s": round(seal, 4),
                 "write_s": round(written, 4),
-                "staged_bytes": writer.staged_bytes,
+                "staged_bytes": p.writer.staged_bytes,
             }
         )
         self.logger.console(
-            f"saved checkpoint {layout.tag_for(step)} (written in the background in "
+            f"saved checkpoint {layout.tag_for(p.step)} (written in the background in "
             f"{written:.2f} s; sealed now)"
         )
 
