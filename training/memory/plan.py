@@ -657,9 +657,12 @@ def report(p: Plan, cap: Capacity) -> str:
         "heap": "heap slack (cpu)",
         "activations": "activations (est.)",
         "runtime": "runtime",
+        "staging": "async-save copy",
     }
     for c in CATEGORIES:
         row = p.per_rank[c]
+        if c == "staging" and not any(row.values()):
+            continue  # no --async-save
         cells = "".join(f"{(_fmt(row[loc]) if row[loc] else '-'):>12}" for loc in LOCATIONS)
         lines.append(f"  {names[c]:<20}{cells}")
     totals = "".join(f"{_fmt(p.total(loc)):>12}" for loc in LOCATIONS)
