@@ -12,6 +12,16 @@ runs each tool in a process of its own under GNU time (wall seconds, peak RSS):
 
 The figure of merit is peak RSS over the fp32 weight size (4 bytes a parameter), shown raw and
 with the imports-only baseline taken off (what the tool itself holds). Prints a markdown table.
+
+    python benchmarks/bench_checkpoints.py --data DATA_DIR --preset 125M --stall [--steps 6]
+
+The training stall per save instead: the same run (seq 32, micro 1, a save every 2 steps) with
+synchronous saves and with --async-save. From the run's metrics.jsonl: the time the step loop
+was blocked per save (the "checkpoint" records' stall_s; for a background save the host copy,
+its seal comes at a later boundary and is counted too), the background write time, the step
+time of the steps a background write overlapped against the others, and each run's peak RSS
+(the largest rank, GNU time). Prints a markdown table with the host class and writes the raw
+numbers to benchmarks/results/checkpoint_stall.json.
 """
 
 from __future__ import annotations
@@ -44,6 +54,96 @@ def timed(cmd: list[str], workdir: Path) -> tuple[float, int]:
     return float(wall), int(kb) * 1024
 
 
+def host_class() -> str:
+    import torch
+
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("\n")
+            if line.startswith("Model name")
+        ),
+        "?",
+    )
+    return f"{model}, {os.cpu_count()} cores, torch {torch.backends.cpu.get_cpu_capability()}"
+
+
+def stall(args, work: Path) -> int:
+    """Sync vs --async-save: the loop's stall per save, the write time, the overlapped steps."""
+    results = {}
+    for mode in ("sync", "async"):
+        run = work / mode
+        shutil.rmtree(run, ignore_errors=True)
+        train = [
+            PY, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
+            "training/train.py", "--data", args.data, "--out", str(run),
+            "--model", args.preset, "--ds_config", f"ds_configs/{args.config}.json",
+            "--seq-len", "32", "--micro-batch", "1", "--steps", str(args.steps),
+            "--save-every", "2", "--keep-last", "2", "--eval-every", "0", "--eval-samples", "2",
+            "--log-every", "1", *(["--async-save"] if mode == "async" else []),
+        ]  # fmt: skip
+        wall, rss = timed(train, work)
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        saves = [r for r in records if r.get("kind") == "checkpoint"]
+        steps = {r["step"]: r for r in records if r.get("kind") == "train"}
+        # a step's time: the interval between train records (log-every 1)
+        times = sorted((r["step"], r["time"]) for r in steps.values())
+        dt = {b[0]: b[1] - a[1] for a, b in zip(times, times[1:])}
+        saved_at = {r["step"] for r in saves}
+        overlapped = [dt[s + 1] for s in saved_at if s + 1 in dt]  # the step after a save started
+        others = [v for s, v in dt.items() if s - 1 not in saved_at]
+        results[mode] = {
+            "wall_s": wall,
+            "peak_rss_bytes": rss,
+            "saves": saves,
+            "stall_per_save_s": sum(r["stall_s"] for r in saves) / len(saves),
+            "write_s": [r.get("write_s") for r in saves],
+            "staged_bytes": max((r.get("staged_bytes", 0) for r in saves), default=0),
+            **{
+                f"{k}_per_save_s": sum(r.get(k, 0) for r in saves) / len(saves)
+                for k in ("stage_s", "wait_s", "seal_s")
+            },
+            "step_s_after_save": sum(overlapped) / len(overlapped) if overlapped else None,
+            "step_s_other": sum(others) / len(others) if others else None,
+        }
+    n_params = json.loads((work / "sync" / "resolved_config.json").read_text())["n_params"]
+    out = {
+        "host": host_class(),
+        "preset": args.preset,
+        "n_params": n_params,
+        "config": args.config,
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "results": results,
+    }
+    dest = REPO / "benchmarks" / "results" / "checkpoint_stall.json"
+    dest.write_text(json.dumps(out, indent=1))
+    print(
+        f"\n{args.preset} ({n_params / 1e6:.0f}M params), {args.config}, {args.ranks} ranks; "
+        f"{out['host']}\n"
+    )
+    print(
+        "| saves | loop stall per save s | of which copy / wait / seal | background write s | "
+        "step s (interval holding a save) | step s (others) | peak RSS MiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for mode, r in results.items():
+        writes = [w for w in r["write_s"] if w is not None]
+        w = f"{sum(writes) / len(writes):.2f}" if writes else "-"
+        after = f"{r['step_s_after_save']:.2f}" if r["step_s_after_save"] else "-"
+        other = f"{r['step_s_other']:.2f}" if r["step_s_other"] else "-"
+        parts = (
+            " / ".join(f"{r[k + '_per_save_s']:.2f}" for k in ("stage_s", "wait_s", "seal_s"))
+            if mode == "async"
+            else "-"
+        )
+        print(
+            f"| {mode} | {r['stall_per_save_s']:.2f} | {parts} | {w} | {after} | {other} | "
+            f"{r['peak_rss_bytes'] / 2**20:,.0f} |"
+        )
+    return 0
+
+
 def main() -> int:
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("--data", required=True, help="a folder written by `python -m data.prepare`")
@@ -51,10 +151,18 @@ def main() -> int:
     a.add_argument("--config", default="zero2", help="a ds_configs/ name")
     a.add_argument("--ranks", type=int, default=2)
     a.add_argument("--workdir", default=None, help="default: a temporary folder, removed after")
+    a.add_argument("--stall", action="store_true", help="sync vs --async-save stall per save")
+    a.add_argument("--steps", type=int, default=6, help="--stall: steps per run (a save every 2)")
     args = a.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ckpt_"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.stall:
+        try:
+            return stall(args, work)
+        finally:
+            if args.workdir is None:
+                shutil.rmtree(work, ignore_errors=True)
     run = work / "run"
     try:
         if not (run / "checkpoints" / "latest").is_file():

@@ -74,6 +74,34 @@ def host_too_small_for_zero2() -> float:
     raise AssertionError("no host size between 1 and 10 GiB refuses ZeRO-2 but fits another")
 
 
+def test_async_save_staging_that_does_not_fit_is_refused_naming_the_fallback(tiny_data, tmp_path):
+    """--async-save holds a host copy of the weights and optimizer states (the plan's
+    "staging"): on a host where the run fits without it and not with it, the refusal says so
+    and names the synchronous save; without --async-save the same run passes."""
+    from models import get_config
+    from training.memory import plan
+
+    shape = plan.shape_of_config(get_config("125M", vocab_size=512), "125M")
+    cfg = plan.resolve_config(plan.CONFIG_DIR / "zero2.json", shape, 2, 1, "cpu")
+    kw = dict(config_name="zero2", seq_len=512, activation_checkpointing=False)
+    host = next(
+        t / 10
+        for t in range(10, 200)
+        if plan.check_run(shape, cfg, 2, host_mem_gib=t / 10, **kw).fits
+        and not plan.check_run(shape, cfg, 2, host_mem_gib=t / 10, async_save=True, **kw).fits
+    )
+    staged = plan.check_run(shape, cfg, 2, host_mem_gib=host, async_save=True, **kw).plan
+    assert staged.per_rank["staging"]["host"] == 2 * shape.params + 12 * shape.params // 2
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "125M"]
+    argv += ["--seq-len", "512", "--micro-batch", "1", "--host-mem-gib", str(host)]
+    with pytest.raises(ConfigError) as e:
+        prepare_run(Settings.parse([*argv, "--async-save"]), world=2)
+    line = str(e.value)
+    assert "\n" not in line and "--async-save's host copy of the states" in line, line
+    assert "drop --async-save (saves are then synchronous)" in line
+    prepare_run(Settings.parse(argv), world=2)
+
+
 @pytest.mark.slow
 def test_a_refused_launch_builds_nothing_and_force_trains(tiny_data, tmp_path):
     """2 real ranks told the host has 0.3 GiB: exit 2 with one line, before any model or run

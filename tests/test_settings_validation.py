@@ -129,6 +129,16 @@ CONFIG_CASES = {
         "did you mean 'cpu_checkpointing'?",
     ),
     "load_universal by hand": ({"checkpoint": {"load_universal": True}}, "decided by --universal"),
+    # DeepSpeed's writers: decoupled returns before its files are written (they would be sealed
+    # half-written); the fast one was not verified under the sealing rule.
+    "decoupled writer": (
+        {"checkpoint": {"writer": {"decoupled": True}}},
+        "checkpoint.writer (decoupled writer) is not applied",
+    ),
+    "fast writer": (
+        {"checkpoint": {"writer": {"type": "fast", "decoupled": False}}},
+        "checkpoint.writer (fast writer) is not applied",
+    ),
 }
 
 
@@ -138,6 +148,11 @@ def test_bad_config_refused_before_work(capsys, base, tmp_path, case):
     line = refused(capsys, [*base, *config(tmp_path, cfg)])
     assert says in line and "c.json" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_async_save_refused_under_fsdp(capsys, base):
+    line = refused(capsys, [*base, "--backend", "fsdp", "--async-save"])
+    assert "--async-save is not available with --backend fsdp" in line
 
 
 def test_deepspeed_only_keys_refused_under_ddp(capsys, base, tmp_path):

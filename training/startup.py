@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.checkpoints import universal
+from training.checkpoints import layout, universal
 from training.checkpoints.resume import ResumePlan, verify_resume
 from training.errors import BAD_INPUT, CheckpointError, ConfigError
 from training.preflight import Prepared, probe_dtypes, rank0_printer, settle_precision
@@ -45,6 +45,8 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     )
     prepared, probed = settle(settings, prepared, dist)
     hold_run_folder(run_dir, dist)
+    if dist.is_main:  # a save cut short (a kill during an --async-save write): never resumed
+        layout.set_aside_unsealed(run_dir / "checkpoints", rank0_printer(dist.rank))
     resume = prepared.resume
     if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
         auto, log = settings.resume == "auto", rank0_printer(dist.rank)

@@ -286,6 +286,8 @@ def train_loop(t: Training) -> dict:
         world=dist.world,
         is_main=dist.is_main,
         run_facts=trainer_facts(record),
+        async_save=settings.async_save,
+        device=dist.device,
     )
     evaluator = Evaluator(
         engine,

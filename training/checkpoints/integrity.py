@@ -57,10 +57,21 @@ def _hash_shared(folder: Path, names: list[str] | None, collective: bool) -> tup
     return sizes, sums
 
 
-def listing(folder: Path, collective: bool = True) -> dict:
-    """What complete.json records for `folder`: every file's size and sha256."""
-    sizes, sums = _hash_shared(folder, None, collective)
-    return {"files": sizes, "sha256": sums}
+def listing(folder: Path, collective: bool = True, known: dict | None = None) -> dict:
+    """What complete.json records for `folder`: every file's size and sha256. `known`: {name:
+    (size, sha256)} of files this rank wrote and hashed itself (a background save's writer),
+    taken as they are; the other files are hashed."""
+    merged = {}
+    for part in _gather(known or {}, collective):
+        merged.update(part)
+    names = None
+    if merged:
+        seen = set().union(*_gather(set(_visible(folder)), collective))
+        names = sorted(seen - set(merged))
+    sizes, sums = _hash_shared(folder, names, collective)
+    for name, (size, digest) in merged.items():
+        sizes[name], sums[name] = size, digest
+    return {"files": dict(sorted(sizes.items())), "sha256": dict(sorted(sums.items()))}
 
 
 def verify(folder: Path, hashes: bool = True, collective: bool = True) -> str | None:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from training.checkpoints import integrity
+from training.checkpoints.background import BackgroundWriter
 from training.checkpoints.integrity import COMPLETE
 from training.errors import CheckpointError, SaveFailed
 from training.runtime import distributed, safe_load
@@ -98,26 +99,67 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_
     """All ranks call. Returns the checkpoint folder once it is complete and `latest`.
     Raises SaveFailed when a file cannot be written; the previous checkpoint stays `latest`."""
     try:
-        _save(engine, root, step, trainer_state, keep_last, is_main)
+        _start(engine, root, step, trainer_state, is_main, writer=None)
+        _seal(root, tag_for(step), keep_last, is_main, known=None)
     except Exception as e:
-        prev = find_latest(root)
-        free = shutil.disk_usage(root if root.is_dir() else root.parent).free
-        raise SaveFailed(
-            f"could not write checkpoint {tag_for(step)} ({type(e).__name__}: "
-            f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}; "
-            f"{free / 2**20:,.0f} MiB free there); "
-            + (
-                f"the previous checkpoint {prev} is intact and `latest` still names it"
-                if prev
-                else "there is no earlier checkpoint"
-            )
-            + f"; free space (the partial {root / tag_for(step)} can go) and re-run to resume"
-        ) from e
+        raise _failed(root, step, e) from e
     distributed.barrier()
     return root / tag_for(step)
 
 
-def _save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_main: bool):
+def save_async(engine, root: Path, step: int, trainer_state: dict, is_main: bool):
+    """All ranks call (--async-save). Stages the engine's files into a BackgroundWriter, writes
+    the small trainer state, and returns the writer while its thread writes the rest: the
+    folder is not sealed and `latest` does not move until `seal` (all ranks, once every
+    writer is done). Raises SaveFailed as `save` does."""
+    writer = BackgroundWriter()
+    try:
+        _start(engine, root, step, trainer_state, is_main, writer=writer)
+    except Exception as e:
+        writer.wait()
+        raise _failed(root, step, e) from e
+    finally:
+        writer.close()
+    return writer
+
+
+def seal(root: Path, step: int, writer, keep_last: int, is_main: bool) -> Path:
+    """All ranks call, once every rank's writer is done: seal the background save of `step`
+    with the hashes its writers took, then move `latest` to it. Raises SaveFailed (naming the
+    rank) when some rank's files could not be written: nothing is sealed then."""
+    tag = tag_for(step)
+    errors = distributed.all_gather_object(writer.error)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    try:
+        if failed:
+            raise OSError(f"rank {failed[0][0]}: {failed[0][1]}")
+        folder = root / tag
+        known = {Path(p).relative_to(folder).as_posix(): v for p, v in writer.written.items()}
+        _seal(root, tag, keep_last, is_main, known=known)
+    except Exception as e:
+        raise _failed(root, step, e) from e
+    distributed.barrier()
+    return root / tag
+
+
+def _failed(root: Path, step: int, e: Exception) -> SaveFailed:
+    prev = find_latest(root)
+    free = shutil.disk_usage(root if root.is_dir() else root.parent).free
+    return SaveFailed(
+        f"could not write checkpoint {tag_for(step)} ({type(e).__name__}: "
+        f"{str(e).strip().splitlines()[-1] if str(e).strip() else e!r}; "
+        f"{free / 2**20:,.0f} MiB free there); "
+        + (
+            f"the previous checkpoint {prev} is intact and `latest` still names it"
+            if prev
+            else "there is no earlier checkpoint"
+        )
+        + f"; free space (the partial {root / tag_for(step)} can go) and re-run to resume"
+    )
+
+
+def _start(engine, root: Path, step: int, trainer_state: dict, is_main: bool, writer) -> None:
+    """The engine's files (written, or staged into `writer`) and the trainer state."""
     tag = tag_for(step)
     folder = root / tag
     if is_main:
@@ -128,7 +170,11 @@ def _save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is
             shutil.rmtree(folder)
         shutil.rmtree(root / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)  # stale copy of it
     distributed.barrier()
-    engine.save(root, tag, {"zerostack": {k: v for k, v in trainer_state.items()}})
+    client_state = {"zerostack": {k: v for k, v in trainer_state.items()}}
+    if writer is None:
+        engine.save(root, tag, client_state)
+    else:
+        engine.save(root, tag, client_state, writer=writer)
     rngs = distributed.all_gather_object(rng_state())
     distributed.barrier()
     if is_main:
@@ -136,11 +182,38 @@ def _save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is
         (folder / STATE).write_text(json.dumps(trainer_state, indent=1))
         (folder / RNG).write_text(json.dumps(rngs))
     distributed.barrier()  # the trainer state is on disk for every rank to see
-    listing = integrity.listing(folder)
+
+
+def _seal(root: Path, tag: str, keep_last: int, is_main: bool, known: dict | None) -> None:
+    folder = root / tag
+    if known is not None:  # a background save: what it did not write itself is made durable
+        _fsync_files(folder, skip=set(known))
+    listing = integrity.listing(folder, known=known)
     if is_main:
         _write_atomic(folder / COMPLETE, json.dumps(listing, indent=1))
         _write_atomic(root / LATEST, tag)
         _prune(root, keep_last)
+
+
+def _fsync_files(folder: Path, skip: set[str]) -> None:
+    """fsync every file this rank sees in `folder` but did not write in the background (the
+    trainer state, files an engine copies itself), and the folders that hold them."""
+    dirs = {folder}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.relative_to(folder).as_posix() not in skip:
+            _fsync_path(p)
+        elif p.is_dir():
+            dirs.add(p)
+    for d in dirs:
+        _fsync_path(d)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_listing(folder: Path, extra: dict | None = None) -> None:
@@ -273,6 +346,26 @@ def load_trainer_state(root: Path, tag: str) -> dict:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder}: unreadable trainer state ({e})") from None
     return state
+
+
+def set_aside_unsealed(root: Path, log) -> list[Path]:
+    """Rank 0, at a run's start: move every checkpoint folder without its complete.json (a
+    save a kill or a failure cut short: nothing in it was sealed, so nothing is resumed from it)
+    into `unsealed/` beside them, and say so; kept for a look, never deleted here."""
+    moved = []
+    for tag in all_tags(root):
+        folder = root / tag
+        if (folder / COMPLETE).is_file():
+            continue
+        dest, n = root / "unsealed" / tag, 1
+        while dest.exists():
+            dest, n = root / "unsealed" / f"{tag}.{n}", n + 1
+        dest.parent.mkdir(exist_ok=True)
+        folder.rename(dest)
+        shutil.rmtree(root / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
+        log(f"moved the unsealed checkpoint {folder} (its save never finished) aside to {dest}")
+        moved.append(dest)
+    return moved
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -86,8 +86,10 @@ class Engine(ABC):
         `num_items` as for forward_backward (1: the sum of the per-token losses)."""
 
     @abstractmethod
-    def save(self, root: Path, tag: str, client_state: dict) -> None:
-        """Write this engine's files for checkpoint `tag` (all ranks call)."""
+    def save(self, root: Path, tag: str, client_state: dict, writer=None) -> None:
+        """Write this engine's files for checkpoint `tag` (all ranks call). With a `writer`
+        (checkpoints/background.py, --async-save) hand each file's object to `writer.save`
+        instead: it stages a copy and writes it in the background."""
 
     @abstractmethod
     def load(self, root: Path, tag: str) -> None:

@@ -52,12 +52,13 @@ class DDPEngine(NativeEngine):
     def module(self):
         return self.model.module
 
-    def save(self, root, tag: str, client_state: dict) -> None:
+    def save(self, root, tag: str, client_state: dict, writer=None) -> None:
         folder = Path(root) / tag
+        write = writer.save if writer is not None else torch.save
         if dist.get_rank() == 0:  # every rank holds the same weights and optimizer state
             folder.mkdir(parents=True, exist_ok=True)
-            torch.save(self.module.state_dict(), folder / MODEL_FILE)
-            torch.save(
+            write(self.module.state_dict(), folder / MODEL_FILE)
+            write(
                 {
                     "optimizer": self.optimizer.state_dict(),
                     "scaler": self.scaler.state_dict() if self.scaler else None,

@@ -11,6 +11,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
 from models import transformer_blocks
@@ -179,7 +180,7 @@ class DeepSpeedEngine(Engine):
         # optimizer's states are all reachable from it.
         return state_bytes(self.engine.module, self.engine.optimizer)
 
-    def save(self, root, tag: str, client_state: dict) -> None:
+    def save(self, root, tag: str, client_state: dict, writer=None) -> None:
         # universal_checkpoint_info is what ds_to_universal needs to convert ZeRO-1/2 files.
         # AutoTP attaches its own (which parameters are row-split, which replicated) and
         # DeepSpeed writes it; client state is applied last, so an empty one would erase it.
@@ -188,7 +189,17 @@ class DeepSpeedEngine(Engine):
         state = dict(client_state)
         if getattr(self.engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
             state[UNIVERSAL_CHECKPOINT_INFO] = {}
-        self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
+        if writer is None:
+            self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
+            return
+        # --async-save: DeepSpeed's own save, each file it writes through its checkpoint engine
+        # (model states, every rank's ZeRO partition, pipeline layers) staged into the writer.
+        own = self.engine.checkpoint_engine
+        self.engine.checkpoint_engine = StagedCheckpointEngine(own, writer)
+        try:
+            self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
+        finally:
+            self.engine.checkpoint_engine = own
 
     def set_master_weights(self, weights) -> int:
         """Overwrite the fp32 master copy of each (name, tensor) in `weights` (all ranks, same
@@ -254,6 +265,34 @@ class DeepSpeedEngine(Engine):
                 # A checkpoint of DeepSpeed's CPU Adam (offload, NVMe) counts in a plain number;
                 # torch's AdamW stops on one ("state_steps ... singleton tensors").
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+
+
+class StagedCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's checkpoint engine for one --async-save: `save` stages the state dict into a
+    background writer (checkpoints/background.py) instead of writing it, everything else is
+    the engine's own. save_checkpoint returns once every file is staged, and zerostack seals
+    the folder when the writers are done. (DeepSpeed's decoupled writer commits at a later step
+    on its own terms, not telling zerostack when the files are durable: settings/sections.py
+    refuses it.)"""
+
+    def __init__(self, own, writer):
+        super().__init__()
+        self.own, self.writer = own, writer
+
+    def create(self, info):
+        return self.own.create(info)
+
+    def save(self, state_dict, path: str):
+        self.writer.save(state_dict, path)
+
+    def load(self, path: str, map_location=None):
+        return self.own.load(path, map_location)
+
+    def commit(self, info):
+        return True  # zerostack's seal commits, once the files are durable
+
+    def is_data_parallel_writer(self, dp_rank):
+        return self.own.is_data_parallel_writer(dp_rank)
 
 
 def restore_swapped_optimizer(optimizer, folder: Path) -> None:

@@ -139,7 +139,9 @@ class FSDPEngine(NativeEngine):
             state["scaler"] = self.scaler.state_dict()
         return state
 
-    def save(self, root, tag: str, client_state: dict) -> None:
+    def save(self, root, tag: str, client_state: dict, writer=None) -> None:
+        if writer is not None:  # refused before any work (training/preflight/switches.py)
+            raise RuntimeError("--async-save is not available with --backend fsdp")
         dcp.save(self._state(), checkpoint_id=str(Path(root) / tag / DCP_DIR))
 
     def load(self, root, tag: str) -> None:

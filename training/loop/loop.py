@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from data.examples import IGNORE_INDEX
-from training.checkpoints import layout
 from training.engines.base import Engine, StepResult
 from training.loop.divergence import BadStepCounter
 from training.loop.evaluate import Evaluator
@@ -172,25 +171,28 @@ def run(
         if config.eval_every and state.step % config.eval_every == 0:
             with timer.paused():
                 evaluator(state.step)
+        with timer.paused():
+            saver.poll()  # --async-save: seal the save in flight once every rank has written it
         saved = _save_if_due(state, config, bad, saver, timer)
         if agreed.signum:  # every rank agreed to stop: save here and exit (errors.PREEMPTED)
-            if not saved:
-                saver(state)
+            resume_from = saver.stop(state, saved)
             logger.console(
                 f"stopped by {signals.name(agreed.signum)} (received by rank {agreed.by_rank}) "
                 f"after step {state.step}; re-run the same command to resume from "
-                f"{layout.tag_for(state.step)}"
+                f"{resume_from or 'step 0'}"
             )
             stop.honored = True
             stop.signum = stop.signum or agreed.signum  # a peer's signal: say which
             return evaluator.last
         if config.stop_at and state.step >= config.stop_at:
+            saver.settle()
             logger.console(f"stopping after step {state.step} (--stop-at)")
             return evaluator.last
     if not (config.eval_every and state.step % config.eval_every == 0):
         evaluator(state.step)
     if config.save_every == 0 or (config.save_every > 0 and state.step % config.save_every):
         saver(state)
+    saver.settle()  # the run ends with its last save sealed
     return evaluator.last
 
 

@@ -74,6 +74,7 @@ CATEGORIES = (
     "activations",
     "heap",
     "runtime",
+    "staging",  # --async-save: the host copy of the states a background save writes
 )
 # On a CPU the trainer keeps freed blocks on glibc's heap for the next step (keep_freed_memory):
 # what one phase frees (activations, in backward) the next (the optimizer step) cannot always
@@ -205,8 +206,11 @@ def plan(
     activation_checkpointing: bool = False,
     ranks_per_host: int | None = None,
     device_type: str = "cpu",
+    async_save: bool = False,
 ) -> Plan:
-    """Per-rank bytes by category and location for a resolved or raw ds_config."""
+    """Per-rank bytes by category and location for a resolved or raw ds_config. `async_save`:
+    a background save's host copy of the states in memory (weights and optimizer states, what
+    the rank's checkpoint files hold; what is swapped to NVMe is copied file to file)."""
     prec = ds_config.precision(ds_cfg)
     w = 4 if prec == "fp32" else 2
     micro = micro_batch or _int(
@@ -223,6 +227,10 @@ def plan(
     per["runtime"]["device" if device_type != "cpu" else "host"] = RUNTIME_BYTES.get(
         device_type, RUNTIME_BYTES["cuda"]
     )
+    if async_save:
+        per["staging"]["host"] = sum(
+            per[c][loc] for c in ("params", "optimizer") for loc in ("device", "host")
+        )
     out = Plan(
         model=shape,
         config=config_name,
@@ -584,6 +592,7 @@ def check_run(
     nvme_dir: str | None = None,
     host_mem_gib: float | None = None,
     device_mem_gib: float | None = None,
+    async_save: bool = False,
 ) -> Verdict:
     """The trainer's check before any work: this run's plan against this machine (or the memory
     --host-mem-gib / --device-mem-gib say), and the shipped configs that fit."""
@@ -600,6 +609,7 @@ def check_run(
         world,
         config_name=config_name,
         activation_checkpointing=activation_checkpointing,
+        async_save=async_save,
         **kw,
     )
     ok, needs = fits(p, cap)
@@ -647,9 +657,12 @@ def report(p: Plan, cap: Capacity) -> str:
         "heap": "heap slack (cpu)",
         "activations": "activations (est.)",
         "runtime": "runtime",
+        "staging": "async-save copy",
     }
     for c in CATEGORIES:
         row = p.per_rank[c]
+        if c == "staging" and not any(row.values()):
+            continue  # no --async-save
         cells = "".join(f"{(_fmt(row[loc]) if row[loc] else '-'):>12}" for loc in LOCATIONS)
         lines.append(f"  {names[c]:<20}{cells}")
     totals = "".join(f"{_fmt(p.total(loc)):>12}" for loc in LOCATIONS)

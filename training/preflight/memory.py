@@ -14,9 +14,26 @@ def check_memory(
     """The memory plan (training/memory/plan.py) before any rank allocates the model: a run it
     says cannot fit is refused, naming the shipped config that would (--force tries anyway).
     The plan's advice is kept for a rank that runs out of memory later (training/guard.py)."""
+    verdict = _verdict(settings, cfg, cfg_path, shape, world, ranks_per_host, settings.async_save)
+    oom.remember(verdict.advice())
+    if verdict.fits or settings.force:
+        return
+    if settings.async_save:
+        sync = _verdict(settings, cfg, cfg_path, shape, world, ranks_per_host, False)
+        if sync.fits:
+            staging = verdict.plan.per_rank["staging"]["host"]
+            raise ConfigError(
+                f"{cfg_path}: --async-save's host copy of the states ({staging / 2**30:,.2f} GiB "
+                f"a rank) does not fit beside the run ({verdict.needs}); drop --async-save (saves "
+                "are then synchronous) or --force"
+            )
+    raise ConfigError(verdict.refusal())
+
+
+def _verdict(settings, cfg, cfg_path, shape, world, ranks_per_host, async_save):
     zero = cfg.get("zero_optimization", {})
     swap = next((zero[s]["nvme_path"] for s in nvme.nvme_sections(cfg)), None)
-    verdict = plan.check_run(
+    return plan.check_run(
         shape,
         cfg,
         world,
@@ -29,7 +46,5 @@ def check_memory(
         nvme_dir=swap,
         host_mem_gib=settings.host_mem_gib,
         device_mem_gib=settings.device_mem_gib,
+        async_save=async_save,
     )
-    oom.remember(verdict.advice())
-    if not verdict.fits and not settings.force:
-        raise ConfigError(verdict.refusal())

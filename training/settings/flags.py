@@ -101,6 +101,12 @@ class Settings:
     )
     save_every: int = flag(100, "0: only at the end; -1: never", aliases=["--save_steps"])
     keep_last: int = flag(3, "checkpoints to keep, newest first (0: keep all)")
+    async_save: bool = flag(
+        False,
+        "write checkpoints in the background: the step loop waits only for a host copy of the "
+        "states; the checkpoint is sealed (complete.json, then `latest`) at a later step once "
+        "every rank's files are durable (deepspeed and ddp; docs/checkpoints.md)",
+    )
     activation_checkpointing: bool = flag(
         False,
         "recompute each block in backward (also turned on by the config's "

@@ -118,7 +118,27 @@ def check_applied(cfg: dict, *, backend: str, steps: int, device_type: str, sour
             f"{source}: checkpoint.load_universal is decided by --universal (auto: when the "
             "topology changed); drop the key"
         )
+    _check_writer(cfg.get("checkpoint", {}), source)
     return _activation_checkpointing(cfg, device_type, source)
+
+
+def _check_writer(section, source: str) -> None:
+    """DeepSpeed's checkpoint.writer (FastPersist, "fast", and its "decoupled" mode) replaces the
+    engine that writes checkpoint files. Decoupled, save_checkpoint returns before the files
+    are written and commits them at a later step, while zerostack seals (complete.json, then
+    `latest`) a folder as soon as the save returns: it would seal files still being written.
+    The fast writer changes which ranks write which files and was not verified under that
+    rule either. --async-save writes in the background and seals only what is on disk."""
+    if not isinstance(section, dict) or section.get("writer") is None:
+        return
+    writer = section["writer"]
+    kind = "decoupled" if isinstance(writer, dict) and writer.get("decoupled") else "fast"
+    raise ConfigError(
+        f"{source}: checkpoint.writer ({kind} writer) is not applied: zerostack seals a "
+        "checkpoint only once every file is on disk, which DeepSpeed's "
+        f"{kind} writer does not tell it; drop the key (--async-save writes checkpoints in the "
+        "background and seals them when they are durable)"
+    )
 
 
 def _off(key: str, cfg: dict, steps: int) -> bool:

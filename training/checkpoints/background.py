@@ -1,0 +1,116 @@
+"""One rank's background checkpoint writer (--async-save).
+
+`save(obj, path)` takes a staged copy of the object's tensors (one copy per storage, so views
+that share a buffer still share it and the file is the one torch.save would write from the
+live tensors) and returns; a thread writes the copies in order, each file flushed and fsynced
+and then hashed, so the seal (layout.seal) lists sizes and sha256s without reading them again.
+Training may change the live tensors as soon as `save` returns. `wait` says whether every
+file is durable; an error in the thread is kept and reported there, never raised in it.
+
+The staging copy lives in host memory until its file is written: `staged_bytes` is what the
+memory plan counts for it (training/memory/plan.py, "staging")."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from data.files import sha256_file
+
+_DONE = object()
+
+
+class BackgroundWriter:
+    def __init__(self) -> None:
+        self.staged_bytes = 0  # host bytes of the staged copies (all of this save's files)
+        self.written: dict[str, tuple[int, str]] = {}  # path -> (size, sha256), once durable
+        self.error: str | None = None
+        self.started = time.monotonic()
+        self.finished: float | None = None  # when the last file was durable
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="zerostack-ckpt-writer", daemon=True)
+        self._thread.start()
+
+    def save(self, obj, path: str | Path) -> None:
+        """Stage `obj`'s tensors and queue the file; returns once the copy is taken."""
+        memo: dict = {}
+        staged = _stage(obj, memo)
+        self.staged_bytes += sum(s.nbytes() for s in memo.values())
+        self._queue.put((staged, Path(path)))
+
+    def close(self) -> None:
+        """No more files for this save: the thread ends after the last one."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_DONE)
+
+    def done(self) -> bool:
+        return self._closed and not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Close and wait up to `timeout` seconds; True when every file is written (or failed:
+        see `error`)."""
+        self.close()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:  # Linux: a thread has its own nice value; the step's threads come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                self.finished = time.monotonic()
+                return
+            if self.error:  # one failed file fails the save; the rest are not written
+                continue
+            staged, path = item
+            try:
+                torch.save(staged, path)  # by name: the archive is the one a sync save writes
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self.written[str(path)] = (path.stat().st_size, sha256_file(path))
+            except Exception as e:  # disk full, permissions: reported by the seal
+                self.error = f"{path.name}: {type(e).__name__}: {e}"
+            finally:
+                del staged
+
+
+def _stage(obj, memo: dict):
+    """`obj` with every tensor replaced by a host copy; tensors that share a storage share
+    the copy (keyed by the storage's address), views keep their offset and strides."""
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = (storage.device, storage.data_ptr(), storage.nbytes())
+        if key not in memo:
+            memo[key] = storage.cpu() if storage.device.type != "cpu" else storage.clone()
+        copy = torch.empty(0, dtype=obj.dtype)
+        copy.set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
+        return copy
+    if isinstance(obj, dict):
+        out = {k: _stage(v, memo) for k, v in obj.items()}
+        if type(obj) is dict:
+            return out
+        try:  # an OrderedDict state dict keeps its type and its _metadata (load_state_dict reads it)
+            same = type(obj)(out)
+        except TypeError:
+            return out
+        if hasattr(obj, "_metadata"):
+            same._metadata = obj._metadata
+        return same
+    if isinstance(obj, list):
+        return [_stage(v, memo) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_stage(v, memo) for v in obj)
+    return obj
