@@ -64,12 +64,10 @@ def _losses(tiny_data, out, world, *flags) -> tuple[list[float], dict]:
 @pytest.mark.slow
 def test_stock_and_patched_paths_train_alike_on_four_ranks(tiny_data, tmp_path):
     """ZeRO-3's gradient average through the shm route (runtime/shm.py: the comm layer and
-    stage3.reduce_scatter_coalesced) against DeepSpeed's own on gloo; ZeRO-2's gradient sum
-    (a loss divided by the world) against DeepSpeed's division. On 2 ranks both are bitwise
-    (test_train.py: test_zero3_tuned_for_one_cpu_host_is_bitwise_the_stock_path and
-    test_zero2_summing_gradients_over_a_divided_loss_is_bitwise_deepspeeds_mean); on 4 the sum
-    still is (dividing by 4 is exact), while the route is gloo's sum in another order: close,
-    not bitwise (on 3 the sum is off: test_switches.py)."""
+    stage3.reduce_scatter_coalesced) against DeepSpeed's own on gloo: on 2 ranks bitwise
+    (test_train.py: test_zero3_tuned_for_one_cpu_host_is_bitwise_the_stock_path); on 4 the
+    kernel adds the ranks in another order than gloo: close, not bitwise, and the record says
+    the route was on."""
     world = 4
     if not shm_has_room(world):
         pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
@@ -79,10 +77,4 @@ def test_stock_and_patched_paths_train_alike_on_four_ranks(tiny_data, tmp_path):
     patched, rec = _losses(tiny_data, tmp_path / "z3_patched", world, *z3)
     assert rec["shm_collectives"] is True and rec["patches"]["shm_route"]["applied"]
     assert len(stock) == 3
-    assert patched == pytest.approx(stock, rel=1e-5) and patched != stock
-    z2 = ["--ds_config", "ds_configs/zero2.json", "--shm-collectives", "off"]
-    stock, rec = _losses(tiny_data, tmp_path / "z2_stock", world, *z2, "--grad-sum", "off")
-    assert rec["gradients_summed"] is False
-    summed, rec = _losses(tiny_data, tmp_path / "z2_summed", world, *z2)
-    assert rec["gradients_summed"] is True
-    assert summed == stock
+    assert patched == pytest.approx(stock, rel=1e-5)  # (seen: not equal from step 2)
