@@ -104,6 +104,16 @@ def test_two_host_job_matches_one_host_and_resumes_on_one(tiny_data, tmp_path):
         (1, "node2", "10.77.0.2"),
     ]
     assert ranks[0]["first_batch_sha1"] != ranks[1]["first_batch_sha1"]
+    # DeepSpeed's launcher says LOCAL_SIZE=1 on each host (never LOCAL_WORLD_SIZE): one rank
+    # here of two, so nothing that needs every rank on one host is on.
+    record = json.loads((run / "resolved_config.json").read_text())
+    assert record["host_layout"] == {
+        "launcher": "deepspeed",
+        "ranks_on_this_host": 1,
+        "one_host": False,
+    }
+    assert record["shm_collectives"] is False
+    assert record["switches"]["shm_collectives"]["why"] == "auto: 1 of 2 ranks on this host"
     forwarded = (tmp_path / "deepspeed_env").read_text().splitlines()
     assert {"GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1"} <= set(forwarded)
 
@@ -131,7 +141,8 @@ def test_two_host_job_matches_one_host_and_resumes_on_one(tiny_data, tmp_path):
 
 
 def test_torchrun_on_two_hosts(tiny_data, tmp_path):
-    """launch/torchrun.sh started on each host, meeting through c10d rendezvous on node1."""
+    """launch/torchrun.sh started on each host, meeting through c10d rendezvous on node1, under
+    ZeRO-3: the record shows it partitions across the hosts and holds nothing."""
     run = tmp_path / "torchrun"
     env = {
         **os.environ,
@@ -144,6 +155,7 @@ def test_torchrun_on_two_hosts(tiny_data, tmp_path):
     }
     cmd = ["bash", "launch/torchrun.sh", "1", "--data", str(tiny_data), "--out", str(run)]
     cmd += [*FLAGS, "--steps", "2", "--save-every", "-1"]  # the last --steps wins
+    cmd += ["--ds_config", "ds_configs/zero3.json"]  # partitioned across the hosts, not held
     with TwoHosts(workdir=tmp_path / "hosts") as hosts:
         node2 = subprocess.Popen(
             hosts.command(cmd, host=1),
@@ -166,6 +178,22 @@ def test_torchrun_on_two_hosts(tiny_data, tmp_path):
         ("node2", "10.77.0.2"),
     ]
     assert len(read_metrics(run)) == 2
+    # One rank on each host: ZeRO-3 partitions (its persistence threshold is its own default,
+    # not the whole model) and nothing is held across micro-steps.
+    record = json.loads((run / "resolved_config.json").read_text())
+    assert record["host_layout"] == {
+        "launcher": "torchrun",
+        "ranks_on_this_host": 1,
+        "one_host": False,
+    }
+    threshold = record["ds_config"]["zero_optimization"]["stage3_param_persistence_threshold"]
+    assert threshold < record["n_params"] / 10, threshold
+    assert record["held_across_micro_steps"] is False
+    assert record["switches"]["hold_weights"] == {
+        "on": False,
+        "why": "auto: 1 of 2 ranks on this host",
+    }
+    assert record["shm_collectives"] is False
 
 
 def test_two_hosts_are_removed_when_the_job_fails(tmp_path):

@@ -17,7 +17,7 @@ import transformers
 
 from data import BatchLoader
 from data.mixture import parse_spec
-from training.runtime import cluster
+from training.runtime import cluster, patches
 from training.runtime.shm import routed_dtypes as shm_routed_dtypes
 from training.settings import ds_config, parallel
 
@@ -72,6 +72,15 @@ def run_record(
         "backend": dist.backend,
         # every behaviour switch as preflight resolved it, and why (training/preflight/switches.py)
         "switches": prepared.switches.as_record(),
+        # how many ranks run on this host, and which launcher said so (preflight/hosts.py)
+        "host_layout": prepared.host
+        and {
+            "launcher": prepared.host.launcher,
+            "ranks_on_this_host": prepared.host.ranks_here,
+            "one_host": prepared.host.ranks_here == dist.world,
+        },
+        # each patch into DeepSpeed's / torch's internals: applied, or the stock path and why
+        "patches": patches.as_record(),
         "shm_collectives": shm,
         # what the route reduces in shared memory on this CPU (the rest goes to gloo)
         "shm_collectives_dtypes": shm_routed_dtypes() if shm else [],

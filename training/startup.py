@@ -38,10 +38,12 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     """The process group; the resume plan verified by every rank (falling back past a corrupt
     checkpoint with --resume auto); DeepSpeed's comm layer; the universal copy, if needed."""
     switches = prepared.switches
+    here = prepared.host.ranks_here if prepared.host else None  # preflight/hosts.py
     dist = distributed.setup(
         timeout_s=settings.dist_timeout,
         local_rank_arg=settings.local_rank,
         keep_freed=switches.keep_freed_memory,
+        ranks_here=here,
     )
     prepared, probed = settle(settings, prepared, dist)
     hold_run_folder(run_dir, dist)
@@ -55,7 +57,7 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
     # CPU host its collectives, and FSDP2's, then go through shared memory.
     shm = settings.backend in ("deepspeed", "fsdp") and shared_memory_collectives(
-        switches.shm_collectives
+        switches.shm_collectives, ranks_here=here
     )
     cfg = prepared.ds_config
     if resume is not None and resume.universal:

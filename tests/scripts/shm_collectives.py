@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks): DeepSpeed's all-reduces, all-gathers and reduce-scatters, and
+"""Run under torchrun (2 ranks; 3 and 4 for the order of the sums): DeepSpeed's all-reduces, all-gathers and reduce-scatters, and
 FSDP2's, through the shared-memory route give gloo's results, the calls it must not take still
 work, and no segment is left in /dev/shm. Prints one JSON line on rank 0."""
 
@@ -106,6 +106,7 @@ for n in (1001, 5_000_011) if comms else ():
     comms[1](mine, full[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
     dist.reduce_scatter_tensor(theirs, full[rank].clone(), op=dist.ReduceOp.AVG)  # gloo's
     out["fsdp"][n] = torch.equal(whole, torch.cat(parts)) and torch.equal(mine, theirs)
+    out.setdefault("fsdp_err", {})[n] = float((mine - theirs).abs().max() / theirs.abs().max())
 out["gloo_calls_routed"] = gloo_calls[0]
 # Calls that must stay with gloo, and still be right.
 sub = dist.new_group([0])
@@ -149,6 +150,11 @@ for dtype in (torch.float32, torch.bfloat16):
         got = stage3.reduce_scatter_coalesced(mine, dist.group.WORLD)
         key = f"{dtype}/{'side by side' if side_by_side else 'apart'}"
         out["coalesced"][key] = all(torch.equal(a, b) for a, b in zip(got, want))
+        out.setdefault("coalesced_err", {})[key] = max(
+            float((a.double() - b.double()).abs().max() / b.double().abs().max())
+            for a, b in zip(got, want)
+            if b.numel()
+        )
 out["errors"] = errors
 dist.barrier()
 if rank == 0:

@@ -4,10 +4,12 @@ config."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 
 import deepspeed
+import deepspeed.runtime.engine
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,7 +22,7 @@ from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.engines.sequence import SequenceParallel
 from training.memory.state_bytes import state_bytes
-from training.runtime import safe_load
+from training.runtime import patches, safe_load
 from training.settings import parallel
 from training.settings.ds_config import zero_stage
 
@@ -107,6 +109,7 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed's own optimizer wrappers (ZeRO 1-3, bf16, fp16) skip an update whose global
         # gradient norm is not finite; a plain torch optimizer (fp32, ZeRO-0) needs us to.
         self._plain_optimizer = not hasattr(self.engine.optimizer, "overflow")
+        self._stand_down_verified = patches.verified("optimizer_step_stand_down")
 
     def coordinates(self) -> dict[str, int]:
         out = {"data_parallel": self.dp_rank}
@@ -136,14 +139,20 @@ class DeepSpeedEngine(Engine):
         return self.sequence.whole_loss(loss) if self.sequence else loss.detach()
 
     def step(self) -> StepResult:
-        forced = self._plain_optimizer and not self._grads_finite()
+        forced = self._plain_optimizer and self._stand_down_verified and not self._grads_finite()
+        stood_down = []
         if forced:  # a torch optimizer has no skip path: stand its step down for this call
-            self.engine.optimizer.step = lambda *args, **kwargs: None
+            self.engine.optimizer.step = lambda *args, **kwargs: stood_down.append(1)
         try:
             self.engine.step()  # DeepSpeed's bookkeeping (counters, zeroing grads) still runs
         finally:
             if forced:
                 del self.engine.optimizer.step
+        if forced and not stood_down:  # DeepSpeed stepped some other way: the update went in
+            raise RuntimeError(
+                "DeepSpeed did not call the optimizer's step: the stand-down of a non-finite "
+                "step (engines/ds.py) does not fit this DeepSpeed"
+            )
         norm = self.engine.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
             norm = norm.item()
@@ -238,6 +247,7 @@ class DeepSpeedEngine(Engine):
         restore_swapped_optimizer(self.engine.optimizer, Path(root) / tag)
         mpu = self.sequence.mpu if self.sequence else None
         shim = mpu is not None and not hasattr(mpu, "get_tensor_model_parallel_world_size")
+        shim = shim and patches.verified("ulysses_mpu_shim")
         if shim:
             # DeepSpeed's universal loader asks the engine's mpu for the tensor-parallel size
             # and stops on Ulysses's groups, which have none (their "model parallel" size is
@@ -307,6 +317,8 @@ def restore_swapped_optimizer(optimizer, folder: Path) -> None:
     swapped ones' moments, before DeepSpeed rebuilds the 16-bit weights."""
     if not getattr(optimizer, "swap_optimizer", False) or (folder / "zero").is_dir():
         return  # not swapping, or a universal copy (DeepSpeed loads that one whole)
+    if not (skips_swapped_optimizer_file() and patches.verified("swapped_optimizer_restore")):
+        return  # DeepSpeed reads the file itself, or an unverified DeepSpeed: its own load
     dp = dist.get_rank(group=optimizer.dp_process_group)
     found = sorted(folder.glob(f"*zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"))
     if not found:
@@ -326,6 +338,14 @@ def restore_swapped_optimizer(optimizer, folder: Path) -> None:
             flat.data.copy_(flats[i])
             moments = {k: st[k].clone() for k in ("exp_avg", "exp_avg_sq")}
         live[flat] = {"step": st["step"], **moments}
+
+
+def skips_swapped_optimizer_file() -> bool:
+    """Whether this DeepSpeed's load_checkpoint has the 0.19.8 bug restore_swapped_optimizer
+    works around: it skips the ZeRO optimizer file when the optimizer is swapped to NVMe (read
+    off its source, the condition that does it)."""
+    source = inspect.getsource(deepspeed.runtime.engine.DeepSpeedEngine.load_checkpoint)
+    return "not self.zero_nvme_offload_optimizer()" in source
 
 
 def _counts_in_python(optimizer) -> bool:

@@ -39,6 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from models import transformer_blocks
 from training.engines.native import NativeEngine
+from training.runtime import patches
 from training.runtime.shm import fsdp_comms
 
 DCP_DIR = "dcp"  # the sharded checkpoint inside a step folder
@@ -164,6 +165,8 @@ def _held_grads(model) -> list[torch.Tensor]:
     """The whole gradients FSDP2 accumulates across held micro-steps (its private state: none
     found means none counted)."""
     out = []
+    if not patches.verified("fsdp2_held_grads"):
+        return out
     for m in model.modules():
         state = getattr(m, "_get_fsdp_state", lambda: None)()
         group = getattr(state, "_fsdp_param_group", None)

@@ -42,6 +42,7 @@ from training.preflight.switches import (
     resolve_switches,
     this_host,
 )
+from training.runtime import patches
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, nvme, parallel
@@ -141,6 +142,8 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     }
     shape = shape_of_config(model_cfg, settings.model)  # counted on the meta device
     host = this_host(settings, device, world)
+    for line in patches.unverified_lines():  # each patch outside its verified versions, once
+        log(f"warning: {line}")
     want = precisions.asked(settings.precision, raw, cfg_path)
     precision = precisions.PLANNED if want == "auto" else want  # chosen at the end
     cfg, switches = resolve_config(

@@ -3,14 +3,13 @@
 host, and handed down as a plain bool. `Switches.as_record()` is what resolved_config.json keeps
 of them: the value and why (docs/settings.md lists every one, its default and who reads it).
 
-"One host" is every rank of the world on this machine (the launcher's LOCAL_WORLD_SIZE, or
-LOCAL_SIZE from DeepSpeed's); "fits" is against a quarter of the host's total memory (or
+"One host" is every rank of the world on this machine, as whichever launcher started the run says
+(preflight/hosts.py); "fits" is against a quarter of the host's total memory (or
 --host-mem-gib), never its free memory at launch, so the same command takes the same path on
 the same machine."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 
@@ -19,6 +18,8 @@ import psutil
 from models.compile import cxx_compiler
 from training.errors import ConfigError
 from training.memory import plan
+from training.preflight.hosts import host_layout
+from training.runtime import patches
 from training.settings import ds_config, parallel
 from training.settings.flags import Settings, auto_unless
 
@@ -56,21 +57,21 @@ class Host:
     world: int
     ranks_here: int  # ranks of this world on this machine
     memory_bytes: int  # the host's total memory, or --host-mem-gib
+    launcher: str = "none"  # who said how many ranks run here (preflight/hosts.py)
 
 
 def ranks_on_this_host(world: int) -> int:
-    """How many ranks of the world run on this machine, as the launcher says: torchrun's
-    LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE; without either, a single-host launch."""
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return world
+    """How many ranks of the world run on this machine, as the launcher says
+    (preflight/hosts.py: torchrun, DeepSpeed, SLURM, Open MPI, MPICH); a single-host launch
+    without any."""
+    return host_layout(world).ranks_here
 
 
 def this_host(settings: Settings, device_type: str, world: int) -> Host:
     gib = settings.host_mem_gib
     memory = int(gib * GiB) if gib else psutil.virtual_memory().total
-    return Host(device_type, world, ranks_on_this_host(world), memory)
+    layout = host_layout(world)
+    return Host(device_type, world, layout.ranks_here, memory, layout.launcher)
 
 
 def resolve_switches(
@@ -202,6 +203,8 @@ def _grad_sum(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
             (parallel.tensor_size(cfg) * parallel.sequence_size(cfg) > 1, "TP/SP"),
             (precision == "fp16", "fp16 (its loss scale)"),
             ("gradient_allreduce_op" in cfg, "the config names gradient_allreduce_op"),
+            # dividing the loss by 3 is not dividing the sum by 3: other gradients in the last bit
+            (host.world & (host.world - 1) != 0, f"a world of {host.world}, not a power of two"),
         ],
         "ZeRO-1/2 on a CPU",
     )
@@ -222,6 +225,7 @@ def _shm_collectives(settings, cfg, host, params, ours, precision) -> tuple[bool
                 host.ranks_here != host.world,
                 f"{host.ranks_here} of {host.world} ranks on this host",
             ),
+            (not patches.verified("shm_route"), patches.check("shm_route")[1]),
         ],
         "every rank on one CPU host (if the kernel loads)",
     )

@@ -42,14 +42,18 @@ def accelerator():
 
 
 def setup(
-    timeout_s: float = 600.0, local_rank_arg: int | None = None, keep_freed: bool = True
+    timeout_s: float = 600.0,
+    local_rank_arg: int | None = None,
+    keep_freed: bool = True,
+    ranks_here: int | None = None,
 ) -> DistInfo:
     """Initialise torch.distributed from the launcher's env (torchrun or the deepspeed launcher).
 
     A plain `python train.py` with no launcher env runs as a world of one. The backend is the
     accelerator's (gloo on CPU, NCCL on CUDA); `timeout_s` bounds every collective so a dead
     rank makes the others fail instead of hanging forever; `keep_freed` (a CPU: the trainer's
-    --cpu-malloc tuned) keeps freed blocks on the heap between steps."""
+    --cpu-malloc tuned) keeps freed blocks on the heap between steps; `ranks_here` (the ranks
+    of the world on this host, preflight/hosts.py; None: all of them) share the host's cores."""
     env = os.environ
     if "RANK" not in env:  # single process, no launcher
         env.setdefault("RANK", "0")
@@ -60,7 +64,7 @@ def setup(
     rank = int(env["RANK"])
     world = int(env["WORLD_SIZE"])
     local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
-    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    local_world = world if ranks_here is None else ranks_here
 
     acc = accelerator()
     backend = acc.communication_backend_name()

@@ -18,10 +18,10 @@ import deepspeed.comm.comm as ds_comm
 import torch
 import torch.distributed as dist
 
-from training.runtime import liveness
+from training.runtime import liveness, patches
 
 
-def shared_memory_collectives(wanted: bool = True) -> bool:
+def shared_memory_collectives(wanted: bool = True, ranks_here: int | None = None) -> bool:
     """Send DeepSpeed's collectives through its shared-memory kernel (CPU, all ranks on one host).
 
     The kernel only sums, in place, so: an all-reduce is the kernel; an all-gather is a sum
@@ -29,30 +29,31 @@ def shared_memory_collectives(wanted: bool = True) -> bool:
     reduce-scatter is a sum of the whole buffer of which this rank keeps its chunk; ZeRO-3's
     gradient average (`reduce_scatter_coalesced`, which DeepSpeed's stage 3 calls by name) sums
     a bucket where it lies and divides only this rank's chunks. Two ranks get gloo's bits
-    (tested). Async calls are done before they return
+    (tested); on more the kernel adds the ranks in another order than gloo, so sums differ in
+    the last bit (fp32 rounding, tested on 3 and 4 ranks). Async calls are done before they return
     (gloo's thread would compete for the same cores). A sub-group, another op or dtype, a
     non-contiguous tensor still go to gloo. The kernel has no timeout, so the wait is marked
     for the liveness watchdog, which names a peer that died in it. Call it before
     `deepspeed.initialize` and zero.Init. Returns whether the route is on. `wanted` False (the
     trainer's --shm-collectives off) starts DeepSpeed's comm layer with every collective on
-    gloo."""
+    gloo. `ranks_here`: the world's ranks on this host (preflight/hosts.py; None: all)."""
     if not dist.is_initialized():
         return False
 
-    env, world = os.environ, dist.get_world_size()
-    wanted = wanted and world > 1
+    world = dist.get_world_size()
+    one_host = ranks_here is None or ranks_here == world
+    wanted = wanted and world > 1 and one_host and patches.verified("shm_route")
     # DeepSpeed sets its segments up when it starts its comm layer, if LOCAL_SIZE (which its
-    # launcher sets and torchrun does not) says every rank is on this host.
-    fresh = ds_comm.cdb is None
-    if fresh and wanted and "LOCAL_SIZE" not in env:
-        if int(env.get("LOCAL_WORLD_SIZE", 0)) == world:
-            env["LOCAL_SIZE"] = str(world)
+    # launcher sets and the others do not) says every rank is on this host: its own setting,
+    # written as its launcher would.
+    if ds_comm.cdb is None and wanted and "LOCAL_SIZE" not in os.environ:
+        os.environ["LOCAL_SIZE"] = str(world)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing group
     cdb = ds_comm.cdb
     if hasattr(cdb, "zerostack_shm"):
         return cdb.zerostack_shm
     cdb.zerostack_shm = False
-    if getattr(cdb, "shm_comm_op", None) is None or int(env.get("LOCAL_SIZE", 0)) != world:
+    if getattr(cdb, "shm_comm_op", None) is None or not one_host:
         return False  # no segments (another host in the world, or no kernel for this CPU)
     # DeepSpeed does not check that its segment was written whole: a full /dev/shm (Docker's
     # default is 64 MB) or a file-size limit leaves a short one, and the kernel would then
@@ -99,7 +100,8 @@ def fsdp_comms() -> tuple | None:
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             # FSDP2 asks for an average of the gradients (fp32 here): the kernel's sum,
-            # divided here as gloo divides its sum (tested bitwise against gloo).
+            # divided here as gloo divides its sum (gloo's bits on two ranks; on more, the
+            # ranks added in another order: tested).
             if op == dist.ReduceOp.AVG and route.routable(input_tensor, group=group):
                 work = route.reduce_scatter_tensor(output_tensor, input_tensor, group=group)
                 output_tensor.div_(dist.get_world_size(group))
@@ -201,8 +203,8 @@ class _Route:
         tensor into a new interleaved buffer, divides all of it by the world and
         reduce-scatters that; the kernel sums whole buffers anyway, so here the gradients are
         summed where they lie (ZeRO-3 keeps a bucket's gradients side by side in one buffer)
-        and only this rank's chunks are divided: no copy, a world-th of the division. On a
-        world that is a power of two, DeepSpeed's bits (tested)."""
+        and only this rank's chunks are divided: no copy, a world-th of the division. On two
+        ranks, DeepSpeed's bits; on more, its sum in another order (tested on 2, 3 and 4)."""
         if not tensors or not all(self.routable(t, group=group) for t in tensors):
             return self.coalesced(tensors, group)
         region = _one_region(tensors)
