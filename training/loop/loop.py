@@ -175,14 +175,7 @@ def run(
             saver.poll()  # --async-save: seal the save in flight once every rank has written it
         saved = _save_if_due(state, config, bad, saver, timer)
         if agreed.signum:  # every rank agreed to stop: save here and exit (errors.PREEMPTED)
-            resume_from = saver.stop(state, saved)
-            logger.console(
-                f"stopped by {signals.name(agreed.signum)} (received by rank {agreed.by_rank}) "
-                f"after step {state.step}; re-run the same command to resume from "
-                f"{resume_from or 'step 0'}"
-            )
-            stop.honored = True
-            stop.signum = stop.signum or agreed.signum  # a peer's signal: say which
+            _stop_here(agreed, state, saver, saved, stop, logger)
             return evaluator.last
         if config.stop_at and state.step >= config.stop_at:
             saver.settle()
@@ -194,6 +187,18 @@ def run(
         saver(state)
     saver.settle()  # the run ends with its last save sealed
     return evaluator.last
+
+
+def _stop_here(agreed, state: LoopState, saver: Saver, saved, stop, logger) -> None:
+    """Save at this step, say where a re-run resumes, and mark the stop signal honored."""
+    resume_from = saver.stop(state, saved)
+    logger.console(
+        f"stopped by {signals.name(agreed.signum)} (received by rank {agreed.by_rank}) "
+        f"after step {state.step}; re-run the same command to resume from "
+        f"{resume_from or 'step 0'}"
+    )
+    stop.honored = True
+    stop.signum = stop.signum or agreed.signum  # a peer's signal: say which
 
 
 class LossMeter:
