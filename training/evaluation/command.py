@@ -48,6 +48,12 @@ def resolve_target(path: str, checkpoint: str | None) -> Target:
         return Target(p)
     if not p.exists():
         raise EvalError(f"{p}: no such run or model folder")
+    if checkpoint is None and not (
+        (p / "checkpoints").is_dir() or p.name == "checkpoints" or p.name.startswith("step_")
+    ):
+        raise EvalError(
+            f"{p}: neither a run folder nor a model folder (no checkpoints/, no config.json)"
+        )
     try:
         root, tag = ckpt.locate(p / checkpoint if checkpoint else p)
         ckpt.verify(root / tag)

@@ -47,10 +47,49 @@ def check_model_folder(folder: Path) -> None:
         raise EvalError(f"{folder}/config.json: transformers cannot read it ({_line(e)})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise EvalError(f"{folder}: a {config.model_type} model, not a causal LM")
+    _check_weights(folder, config)
     try:
-        AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder)
+        ids = tok("def f():\n", add_special_tokens=False).input_ids
+        ids = ids if tok.decode(ids).strip() else []  # a tokenizer with no vocabulary
     except Exception as e:
         raise EvalError(f"{folder}: holds no tokenizer the harness can load ({_line(e)})") from None
+    if not ids:
+        raise EvalError(
+            f"{folder}: holds no tokenizer the harness can load (it encodes to nothing)"
+        )
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if vocab is not None and max(ids) >= vocab:
+        raise EvalError(
+            f"{folder}: its tokenizer gives token {max(ids)}, past the model's vocabulary ({vocab})"
+        )
+
+
+def _check_weights(folder: Path, config) -> None:
+    """EvalError unless the folder's safetensors hold the weights its config's model has (names
+    read from the file headers, the model built on the meta device: nothing is loaded)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        if not any(folder.glob("*.bin")):
+            raise EvalError(f"{folder}: holds no weights (no *.safetensors or *.bin)")
+        return  # a pickled folder: transformers checks it as it loads
+    have = set()
+    for f in files:
+        with safe_open(f, "pt") as st:
+            have.update(st.keys())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    want = [n for n, _ in model.named_parameters()]  # tied weights named once
+    missing = [n for n in want if n not in have and n.split(".", 1)[-1] not in have]
+    if len(missing) > len(want) // 2:
+        raise EvalError(
+            f"{folder}: its weights do not fit its config ({len(missing)} of {len(want)} "
+            f"missing, such as {missing[0]})"
+        )
 
 
 def choose(device: str, dtype: str, batch_size: str) -> tuple[str, str, int | str]:
@@ -80,10 +119,9 @@ def evaluate(
 ) -> dict:
     """Run the harness on `folder` for `names`; returns its results (the `results`,
     `n-samples` and `versions` of simple_evaluate's answer)."""
+    import datasets
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-
-    import datasets
 
     datasets.disable_progress_bars()  # one bar per task file read: noise
     lm = HFLM(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ast
 import json
 import random
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,8 +75,11 @@ def functions(doc: str) -> list[tuple[list[str], int]]:
     for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.decorator_list:
             continue
-        src = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno])).splitlines()
-        src = [line for line in src if line.strip()]
+        src = [line for line in lines[node.lineno - 1 : node.end_lineno] if line.strip()]
+        indent = src[0][: len(src[0]) - len(src[0].lstrip())]
+        if not all(line.startswith(indent) for line in src):
+            continue  # a string or continuation line left of the def: not cut cleanly
+        src = [line[len(indent) :] for line in src]
         if len(src) < CONTEXT_LINES + CONTINUATION_LINES:
             continue
         body0 = node.body[0]
