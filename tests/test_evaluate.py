@@ -177,7 +177,9 @@ def test_harness_loglikelihood_equals_our_checkpoints_own_loss(trained_run, tmp_
 
 
 @pytest.mark.slow
-def test_trained_model_beats_random_init_and_chance_on_the_local_task(trained_run, tmp_path):
+def test_trained_model_beats_random_init_and_chance_on_the_local_task(
+    trained_run, tiny_data, tmp_path
+):
     from transformers import LlamaForCausalLM
 
     from models.hf_adapter import to_llama_config
@@ -200,6 +202,7 @@ def test_trained_model_beats_random_init_and_chance_on_the_local_task(trained_ru
         shutil.copy2(f, tmp_path / "random" / f.name)
     out = tmp_path / "random.json"
     argv = [str(tmp_path / "random"), "--tasks", "pystdlib_continuation", "--out", str(out)]
+    argv += ["--data", str(tiny_data)]  # the same items as the run's: its data's held-out files
     assert main(argv) == 0
     random_init = json.loads(out.read_text())["scores"]["pystdlib_continuation/acc"]
     n = result["harness"]["n-samples"]["pystdlib_continuation"]["effective"]

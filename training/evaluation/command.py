@@ -92,6 +92,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="a prepared data folder whose held-out pystdlib documents the shipped tasks use "
+        "(default: the run's own, else the default preparation's)",
+    )
     p.add_argument("--limit", type=int, default=None, help="at most N items per task")
     p.add_argument(
         "--out", default=None, help="results JSON (default for a run: RUN/eval/step_N.json)"
@@ -123,7 +129,7 @@ def _main(a) -> int:
     target = resolve_target(a.path, a.checkpoint)
     work = Path(tempfile.mkdtemp(prefix="zerostack-eval-"))
     try:
-        local = write_local_tasks(work / "tasks", HeldOut.of_data(target.data_dir))
+        local = write_local_tasks(work / "tasks", HeldOut.of_data(a.data or target.data_dir))
         tm = harness.task_manager(names, [local, *includes])
         folder = target.path
         if target.run_dir is not None:
