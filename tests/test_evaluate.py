@@ -152,8 +152,8 @@ def trained_run(tiny_data, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("eval") / "run"
     args = [
         "--data", str(tiny_data), "--out", str(run), "--model", "tiny", "--seq-len", "64",
-        "--micro-batch", "8", "--steps", "150", "--log-every", "50", "--eval-every", "0",
-        "--eval-samples", "8", "--lr", "3e-3", "--warmup", "10", "--save-every", "0",
+        "--micro-batch", "16", "--steps", "150", "--log-every", "50", "--eval-every", "0",
+        "--eval-samples", "8", "--lr", "5e-3", "--warmup", "10", "--save-every", "0",
         "--ds_config", "ds_configs/fp32.json", NO_COMPILE,
     ]  # fmt: skip
     launch(args, nproc=1)

@@ -127,7 +127,12 @@ def _main(a) -> int:
         if not d.is_dir():
             raise EvalError(f"--include-path {d}: no such folder")
     target = resolve_target(a.path, a.checkpoint)
-    work = Path(tempfile.mkdtemp(prefix="zerostack-eval-"))
+    # A run's export goes beside its checkpoints (a large model may not fit in /tmp).
+    near = None
+    if target.run_dir is not None:
+        near = target.run_dir / "eval"
+        near.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".export-", dir=near))
     try:
         local = write_local_tasks(work / "tasks", HeldOut.of_data(a.data or target.data_dir))
         tm = harness.task_manager(names, [local, *includes])
