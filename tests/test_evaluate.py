@@ -134,6 +134,8 @@ def test_a_folder_the_harness_cannot_load_is_one_line(tiny_data, tmp_path, capsy
     (folder / "config.json").unlink()
     assert "neither a run folder nor a model folder" in _refusal(capsys, [str(folder)])
     assert "no such run or model folder" in _refusal(capsys, [str(tmp_path / "nope")])
+    err = _refusal(capsys, [str(tmp_path), "--data", str(tmp_path)])
+    assert "not a prepared data folder" in err
 
 
 def test_a_run_without_a_sealed_checkpoint_is_one_line(tmp_path, capsys):

@@ -126,6 +126,8 @@ def _main(a) -> int:
     for d in includes:
         if not d.is_dir():
             raise EvalError(f"--include-path {d}: no such folder")
+    if a.data and not (Path(a.data) / "manifest.json").is_file():
+        raise EvalError(f"--data {a.data}: not a prepared data folder (no manifest.json)")
     target = resolve_target(a.path, a.checkpoint)
     # A run's export goes beside its checkpoints (a large model may not fit in /tmp).
     near = None
