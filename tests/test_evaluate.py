@@ -107,6 +107,24 @@ def test_shipped_tasks_are_made_from_held_out_documents(tiny_data, tmp_path):
     assert str(folder / "pystdlib_continuation.jsonl") in yaml
 
 
+def test_loss_png_shows_task_scores_beside_the_loss(tmp_path):
+    from training.loop.logger import plot_loss_curve
+
+    def width(png: Path) -> int:
+        return int.from_bytes(png.read_bytes()[16:20], "big")  # the IHDR chunk's width
+
+    rows = [{"step": s, "kind": "train", "loss": 5.0 - s / 100} for s in range(1, 101)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    alone = width(tmp_path / "loss.png")
+    tasks = {"kind": "tasks", "pystdlib_continuation/acc": 0.3, "x/bits_per_byte": 3.2}
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        for step in (50, 100):
+            f.write(json.dumps({"step": step, **tasks}) + "\n")
+    plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    assert width(tmp_path / "loss.png") > 1.5 * alone  # a second panel: the task scores
+
+
 # ------------------------------------------------------------------------------------ bad input
 def _refusal(capsys, argv) -> str:
     capsys.readouterr()  # what making the folder printed
@@ -194,6 +212,8 @@ def test_trained_model_beats_random_init_and_chance_on_the_local_task(
     (logged,) = read_metrics(trained_run, kind="tasks")
     assert logged["step"] == 150 and logged["pystdlib_continuation/acc"] == trained
     assert 0 < logged["pystdlib_docstring_code/bits_per_byte"] < 8
+    png = (trained_run / "loss.png").read_bytes()
+    assert int.from_bytes(png[16:20], "big") >= 1000  # redrawn with the task scores' panel
 
     # the same architecture, randomly initialised, saved as a model folder
     root, tag = ckpt.locate(trained_run)

@@ -25,6 +25,7 @@ from training.checkpoints import layout as ckpt
 from training.errors import BAD_INPUT, CheckpointError, EvalError, ExportError
 from training.evaluation import harness
 from training.evaluation.local_tasks import LOCAL_TASKS, HeldOut, write_local_tasks
+from training.loop.logger import plot_loss_curve
 
 
 @dataclass
@@ -178,6 +179,7 @@ def record(target: Target, results: dict, out: str | None, setup: dict) -> Path 
     print(f"wrote {path}")
     if target.run_dir is not None:
         log_scores(target.run_dir, target.step, flat)
+        plot_loss_curve(target.run_dir / "metrics.jsonl", target.run_dir / "loss.png")
     return path
 
 
