@@ -166,6 +166,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training.engines",),
     ("training.checkpoints",),
     ("training.loop",),
+    ("training.evaluation",),  # lm-evaluation-harness on exports: above checkpoints/
     # the entry points: train.py, startup.py, guard.py, the command shims, ...; and preflight,
     # a module or a package training/preflight/ with submodules
     ("training.* training.preflight",),

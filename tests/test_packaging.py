@@ -90,6 +90,8 @@ def test_every_package_folder_is_declared():
     # data files the code reads beside its modules
     data = PYPROJECT["tool"]["setuptools"]["package-data"]
     assert "kernels/*.cpp" in data["models"] and list((REPO / "models" / "kernels").glob("*.cpp"))
+    tasks = REPO / "training" / "evaluation" / "tasks"
+    assert "tasks/*.yaml" in data["training.evaluation"] and list(tasks.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("name", sorted(PYPROJECT["project"]["scripts"]))

@@ -44,6 +44,11 @@ class ExportError(ValueError):
     """A bad export request: no checkpoint, a non-empty target, a failed verification."""
 
 
+class EvalError(ValueError):
+    """`python -m training.evaluate` refused: an unknown task, a folder the harness cannot load,
+    a run with no sealed checkpoint (training/evaluation/)."""
+
+
 class LaunchError(RuntimeError):
     """The launcher's view of the world and ours disagree (this rank speaks for itself)."""
 

@@ -174,10 +174,12 @@ def _fmt(r: dict) -> str:
 
 
 def plot_loss_curve(metrics_path: Path, out_png: Path) -> None:
-    """Train (and validation) loss against step, from metrics.jsonl."""
+    """Train (and validation) loss against step, from metrics.jsonl; beside it, when the run
+    has task scores (records of kind "tasks", `python -m training.evaluate`), each score that
+    lies in [0, 1] (accuracies) against the step of its checkpoint."""
     if not metrics_path.is_file():
         return
-    train, val = [], []
+    train, val, tasks = [], [], {}
     for line in metrics_path.read_text().splitlines():
         try:
             r = json.loads(line)
@@ -187,6 +189,10 @@ def plot_loss_curve(metrics_path: Path, out_png: Path) -> None:
             train.append((r["step"], r["loss"]))
         elif r.get("kind") == "eval" and "val_loss" in r:
             val.append((r["step"], r["val_loss"]))
+        elif r.get("kind") == "tasks":
+            for k, v in r.items():
+                if "/" in k and isinstance(v, (int, float)):
+                    tasks.setdefault(k, {})[r["step"]] = v  # the last of a step stands
     if not train:
         return
     import matplotlib  # heavy, and only once at the end
@@ -194,7 +200,11 @@ def plot_loss_curve(metrics_path: Path, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    scores = {
+        k: sorted(s.items()) for k, s in tasks.items() if all(0 <= v <= 1 for v in s.values())
+    }
+    fig, axes = plt.subplots(1, 2 if scores else 1, figsize=(11 if scores else 6, 3.5), dpi=100)
+    ax = axes[0] if scores else axes
     ax.plot(*zip(*train), label="train")
     if val:
         ax.plot(*zip(*val), "o-", label="validation")
@@ -202,6 +212,13 @@ def plot_loss_curve(metrics_path: Path, out_png: Path) -> None:
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    if scores:
+        for name, points in sorted(scores.items()):
+            axes[1].plot(*zip(*points), "o-", label=name)
+        axes[1].set_xlabel("step")
+        axes[1].set_ylabel("task score")
+        axes[1].grid(alpha=0.3)
+        axes[1].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
