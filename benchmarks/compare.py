@@ -319,7 +319,7 @@ def reference(argv: list[str]) -> None:
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
         row = {"tokens_per_s": tps, "mfu": tps * fpt / peak, "peak_mem_gb": rss.item() / 2**30}
-        row["ceiling"] = ceiling
+        row.update(ceiling=ceiling, precision="bf16" if low else "fp32")
         Path(s.out).write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
@@ -519,6 +519,10 @@ def _label(name: str) -> str:
         "ddp_eager": "DDP, blocks not compiled",
         "zero3_gloo": "DeepSpeed `zero3`, every collective on gloo",
         "fsdp_gloo": "FSDP2, every collective on gloo",
+        "ddp_fp32": "DDP, --precision fp32",
+        "ddp_bf16": "DDP, --precision bf16",
+        "zero2_fp32": "DeepSpeed `zero2`, --precision fp32",
+        "zero2_bf16": "DeepSpeed `zero2`, --precision bf16",
     }.get(name, f"DeepSpeed `{name}`")
 
 

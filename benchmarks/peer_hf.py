@@ -122,4 +122,5 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         row = {"tokens_per_s": tps, "mfu": tps * fpt / (ceiling * world)}
         row.update(peak_mem_gb=rss.item() / 2**30, ceiling=ceiling)
+        row["precision"] = "fp32" if dtype == torch.float32 else "bf16"
         Path(s.out).write_text(json.dumps(row))
