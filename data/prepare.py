@@ -172,19 +172,7 @@ def prepare(
             progress=progress,
             total_bytes=total,
         )
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            source=str(source),
-            source_detail=src.description,
-            vocab_size=ids["vocab_size"],
-            eos_id=ids["eos_id"],
-            bos_id=ids["bos_id"],
-            pad_id=ids["pad_id"],
-            dtype=out_dtype,
-            tokenizer_sha256=sha256_dir(tok_dir),
-            args=args,
-            splits=splits,
-        )
+        manifest = _manifest(source, src.description, ids, out_dtype, tok_dir, args, splits)
         write_manifest(tmp, manifest)  # last file: its presence marks the folder complete
         _publish(tmp, out, args)
     except BaseException:
@@ -283,20 +271,9 @@ def _prepare_chat(
             progress=progress,
             val_source=None if val_source is None else str(val_source),
         )
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            source=str(source),
-            source_detail=f"chat data: {len(files)} JSONL files",
-            vocab_size=ids["vocab_size"],
-            eos_id=ids["eos_id"],
-            bos_id=ids["bos_id"],
-            pad_id=ids["pad_id"],
-            dtype=out_dtype,
-            tokenizer_sha256=sha256_dir(tok_dir),
-            args=args,
-            splits=splits,
-            chat=asdict(counts),
-        )
+        detail = f"chat data: {len(files)} JSONL files"
+        manifest = _manifest(source, detail, ids, out_dtype, tok_dir, args, splits)
+        manifest.chat = asdict(counts)
         write_manifest(tmp, manifest)  # last file: its presence marks the folder complete
         _publish(tmp, out, args)
     except BaseException:
@@ -309,6 +286,23 @@ def _prepare_chat(
         f"tokens: {counts.trained_tokens}",
     )
     return out
+
+
+def _manifest(source, detail: str, ids: dict, dtype: str, tok_dir: Path, args, splits) -> Manifest:
+    """The manifest of a prepared folder, text or chat alike."""
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        source=str(source),
+        source_detail=detail,
+        vocab_size=ids["vocab_size"],
+        eos_id=ids["eos_id"],
+        bos_id=ids["bos_id"],
+        pad_id=ids["pad_id"],
+        dtype=dtype,
+        tokenizer_sha256=sha256_dir(tok_dir),
+        args=args,
+        splits=splits,
+    )
 
 
 def _check_options(vocab_size, num_proc, val_fraction, max_docs, sample_bytes, shard_tokens):

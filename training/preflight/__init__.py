@@ -136,10 +136,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     model_cfg = model_config(settings.model, manifest.vocab_size, overrides)
     check_lengths(settings, model_cfg, manifest)
     raw = nvme.override_path(raw, settings.nvme_path, cfg_path)
-    flags = {
-        **settings.as_flags(),
-        **nvme.auto_values(settings.nvme_path, Path(settings.out), model_cfg),
-    }
+    flags = run_flags(settings, model_cfg)
     shape = shape_of_config(model_cfg, settings.model)  # counted on the meta device
     host = this_host(settings, device, world)
     for line in patches.unverified_lines():  # each patch outside its verified versions, once
@@ -203,9 +200,10 @@ def choose_precision(settings: Settings, prepared: Prepared) -> Prepared:
     GPU takes what it supports, fp32 is fp32. A CPU's "auto", bf16 or fp16 is measured once the
     process group is up (settle_precision)."""
     want, device, resume = prepared.precision_asked, prepared.host.device_type, prepared.resume
-    if want == "auto" and resume is not None and resume.trainer_state().get("precision"):
+    auto_resume = want == "auto" and resume is not None
+    kept = resume.trainer_state().get("precision") if auto_resume else None
+    if kept:
         # An exact resume continues in the precision its optimizer states were saved in.
-        kept = resume.trainer_state()["precision"]
         why = f"resuming {resume.tag}, saved in {kept}"
         return repick(settings, prepared, Precision(kept, "auto", why))
     if not precisions.needs_probe(want, device):
@@ -238,15 +236,20 @@ def probe_dtypes(prepared: Prepared) -> list[str]:
     return ["bf16" if asked == "auto" else asked, "fp32"]
 
 
+def run_flags(settings: Settings, model_cfg) -> dict:
+    """The flags the config is resolved with: the user's, and the NVMe swap's "auto" values."""
+    return {
+        **settings.as_flags(),
+        **nvme.auto_values(settings.nvme_path, Path(settings.out), model_cfg),
+    }
+
+
 def repick(settings: Settings, prepared: Prepared, choice: Precision) -> Prepared:
     """The prepared run in `choice`'s precision: where it differs from what was planned, the
     config and the switches resolved anew, and the engine and memory checks run again."""
     if choice.name == prepared.precision:
         return replace(prepared, precision_choice=choice)
-    flags = {
-        **settings.as_flags(),
-        **nvme.auto_values(settings.nvme_path, Path(settings.out), prepared.model_config),
-    }
+    flags = run_flags(settings, prepared.model_config)
     raw, path, host = prepared.raw_config, prepared.config_path, prepared.host
     cfg, switches = resolve_config(
         settings,
