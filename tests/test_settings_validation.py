@@ -150,11 +150,6 @@ def test_bad_config_refused_before_work(capsys, base, tmp_path, case):
     assert not (tmp_path / "run").exists()
 
 
-def test_async_save_refused_under_fsdp(capsys, base):
-    line = refused(capsys, [*base, "--backend", "fsdp", "--async-save"])
-    assert "--async-save is not available with --backend fsdp" in line
-
-
 def test_deepspeed_only_keys_refused_under_ddp(capsys, base, tmp_path):
     line = refused(
         capsys,

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from data.files import sha256_file
 
@@ -39,10 +40,18 @@ class BackgroundWriter:
 
     def save(self, obj, path: str | Path) -> None:
         """Stage `obj`'s tensors and queue the file; returns once the copy is taken."""
+        path = Path(path)
+        # by name: the archive is the one a sync save writes
+        self.call(obj, lambda staged: (torch.save(staged, path), [path])[1], path.name)
+
+    def call(self, obj, write, what: str) -> None:
+        """Stage `obj`'s tensors and queue `write(staged)`, a function that writes files and
+        returns the paths of this rank's (the thread fsyncs and hashes them); `what` names it
+        in an error. DTensors stay DTensors over a staged local shard."""
         memo: dict = {}
         staged = _stage(obj, memo)
         self.staged_bytes += sum(s.nbytes() for s in memo.values())
-        self._queue.put((staged, Path(path)))
+        self._queue.put((staged, write, what))
 
     def close(self) -> None:
         """No more files for this save: the thread ends after the last one."""
@@ -72,24 +81,36 @@ class BackgroundWriter:
                 return
             if self.error:  # one failed file fails the save; the rest are not written
                 continue
-            staged, path = item
+            staged, write, what = item
             try:
-                torch.save(staged, path)  # by name: the archive is the one a sync save writes
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                self.written[str(path)] = (path.stat().st_size, sha256_file(path))
+                for path in write(staged):
+                    path = Path(path)
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    self.written[str(path)] = (path.stat().st_size, sha256_file(path))
             except Exception as e:  # disk full, permissions: reported by the seal
-                self.error = f"{path.name}: {type(e).__name__}: {e}"
+                self.error = f"{what}: {type(e).__name__}: {e}"
             finally:
-                del staged
+                del staged, item
 
 
 def _stage(obj, memo: dict):
     """`obj` with every tensor replaced by a host copy; tensors that share a storage share
-    the copy (keyed by the storage's address), views keep their offset and strides."""
+    the copy (keyed by the storage's address), views keep their offset and strides. A DTensor
+    (FSDP2) keeps its mesh and placements over a copy of its local shard."""
+    if isinstance(obj, DTensor):
+        local = _stage(obj.to_local(), memo)
+        return DTensor.from_local(
+            local,
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         key = (storage.device, storage.data_ptr(), storage.nbytes())

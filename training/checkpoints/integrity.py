@@ -28,13 +28,18 @@ def _gather(obj, collective: bool) -> list:
     return distributed.all_gather_object(obj) if collective else [obj]
 
 
+# Dotfiles are temporaries (an atomic write's), except DCP's index of an FSDP2 checkpoint: a
+# checkpoint does not load without it, so it is sealed with the rest.
+_KEPT = {".metadata"}
+
+
 def _visible(folder: Path) -> dict[str, int]:
     if not folder.is_dir():
         return {}
     return {
         p.relative_to(folder).as_posix(): p.stat().st_size
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != COMPLETE and not p.name.startswith(".")
+        if p.is_file() and p.name != COMPLETE and (not p.name.startswith(".") or p.name in _KEPT)
     }
 
 

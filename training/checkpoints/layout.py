@@ -5,7 +5,8 @@
                                  + complete.json
         latest                   the tag of the newest *complete* checkpoint
 
-An engine writes its files into the tag folder; then rank 0 writes the trainer state and a
+An engine writes its files into the tag folder and rank 0 the trainer state; every rank fsyncs
+the files it sees (on several hosts each flushes its own writes); then rank 0 writes a
 `complete.json` listing every file with its size and sha256 (integrity.py: the ranks share
 the hashing), and only then moves `latest` to the new tag (an atomic rename). A kill at
 any moment before that leaves `latest` on the previous checkpoint, and an incomplete folder is
@@ -186,8 +187,9 @@ def _start(engine, root: Path, step: int, trainer_state: dict, is_main: bool, wr
 
 def _seal(root: Path, tag: str, keep_last: int, is_main: bool, known: dict | None) -> None:
     folder = root / tag
-    if known is not None:  # a background save: what it did not write itself is made durable
-        _fsync_files(folder, skip=set(known))
+    # Durable before sealed: a power loss after complete.json must not leave the engine's files
+    # in the page cache only (a background save's writers fsynced their own already).
+    _fsync_files(folder, skip=set(known or {}))
     listing = integrity.listing(folder, known=known)
     if is_main:
         _write_atomic(folder / COMPLETE, json.dumps(listing, indent=1))
@@ -196,8 +198,8 @@ def _seal(root: Path, tag: str, keep_last: int, is_main: bool, known: dict | Non
 
 
 def _fsync_files(folder: Path, skip: set[str]) -> None:
-    """fsync every file this rank sees in `folder` but did not write in the background (the
-    trainer state, files an engine copies itself), and the folders that hold them."""
+    """fsync every file this rank sees in `folder` except `skip` (what its background writer
+    fsynced already), and the folders that hold them."""
     dirs = {folder}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.relative_to(folder).as_posix() not in skip:

@@ -62,6 +62,7 @@ class FSDPEngine(NativeEngine):
         self.cpu_offload = cpu_offload
         super().__init__(**native)
         self.hold = hold
+        self._save_group = None  # --async-save's DCP collectives (made at the first save)
 
     def _wrap(self, model):
         if not dist.is_initialized():
@@ -141,9 +142,29 @@ class FSDPEngine(NativeEngine):
         return state
 
     def save(self, root, tag: str, client_state: dict, writer=None) -> None:
-        if writer is not None:  # refused before any work (training/preflight/switches.py)
-            raise RuntimeError("--async-save is not available with --backend fsdp")
-        dcp.save(self._state(), checkpoint_id=str(Path(root) / tag / DCP_DIR))
+        path = Path(root) / tag / DCP_DIR
+        if writer is None:
+            dcp.save(self._state(), checkpoint_id=str(path))
+            return
+        # --async-save: the writer stages the shards (DTensors over host copies of the local
+        # shards, counted in staged_bytes, as DDP's files are) and runs DCP's own synchronous
+        # save of the copy in its thread, then fsyncs and hashes this rank's files for the seal.
+        # Not DCP's async_save: its future says nothing of which files are this rank's or of
+        # their hashes (the seal would read every file again), and the loop could not poll it
+        # as it polls the other engines' writers. Its thread runs the same synchronous save on
+        # a group of its own, as here: DCP's collectives (plans, write results) never meet the
+        # step's on one group.
+        if self._save_group is None:  # all ranks save: a collective call is safe here
+            self._save_group = dist.new_group(backend="gloo")
+        group, rank = self._save_group, dist.get_rank()
+
+        def write(staged) -> list[Path]:
+            storage = _OwnFiles(str(path))
+            dcp.save(staged, storage_writer=storage, process_group=group)
+            # the metadata is written by rank 0 before any rank's save returns
+            return [path / f for f in storage.files] + ([path / ".metadata"] if rank == 0 else [])
+
+        writer.call(self._state(), write, f"{tag}/{DCP_DIR}")
 
     def load(self, root, tag: str) -> None:
         path = Path(root) / tag / DCP_DIR
@@ -159,6 +180,15 @@ class FSDPEngine(NativeEngine):
         )
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
+
+
+class _OwnFiles(dcp.FileSystemWriter):
+    """DCP's file writer, remembering the files this rank wrote (to fsync and hash them)."""
+
+    def write_data(self, plan, planner):
+        done = super().write_data(plan, planner)
+        self.files = sorted({r.storage_data.relative_path for r in done.wait()})
+        return done
 
 
 def _held_grads(model) -> list[torch.Tensor]:

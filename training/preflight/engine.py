@@ -20,13 +20,6 @@ def check_engine(settings: Settings, cfg: dict, cfg_path: str, precision: str) -
             )
     if settings.backend != "deepspeed" and ds_config.pipeline_stages(cfg) > 1:
         raise ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
-    if settings.async_save and settings.backend == "fsdp":
-        # DCP's own async_save runs its collectives in a thread beside the step's: not yet
-        # made safe here (docs/checkpoints.md)
-        raise ConfigError(
-            "--async-save is not available with --backend fsdp yet; drop it (FSDP2's saves are "
-            "synchronous) or use --backend deepspeed or ddp"
-        )
 
 
 def check_parallel(

@@ -105,7 +105,7 @@ class Settings:
         False,
         "write checkpoints in the background: the step loop waits only for a host copy of the "
         "states; the checkpoint is sealed (complete.json, then `latest`) at a later step once "
-        "every rank's files are durable (deepspeed and ddp; docs/checkpoints.md)",
+        "every rank's files are durable (every backend; docs/checkpoints.md)",
     )
     activation_checkpointing: bool = flag(
         False,
