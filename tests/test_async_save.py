@@ -1,22 +1,25 @@
 """--async-save: checkpoints written in the background, sealed only once every rank's files are
 durable. Real 2-rank runs: an interrupted run with background saves resumes bit for bit where
-an uninterrupted run with synchronous saves ends, and a rank killed while a background save is
-in flight leaves that checkpoint unsealed: never resumed from, set aside on the next start."""
+an uninterrupted run with synchronous saves ends (ZeRO-2, DDP; ZeRO-3 and FSDP2 in fp32), a rank
+killed while a background save is in flight leaves that checkpoint unsealed: never resumed from,
+set aside on the next start, and so does a write that fails (a file-size limit, as a full disk)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, read_metrics
-from test_reliability import Job, args
+from conftest import PY, REPO, free_port, launch, read_metrics
+from test_reliability import Job, args, rank_exit_codes
 
 from training.checkpoints import layout
 from training.checkpoints.background import BackgroundWriter
@@ -75,6 +78,31 @@ def test_unsealed_checkpoints_are_set_aside_not_deleted(tmp_path):
     assert (root / "step_00000002" / "complete.json").is_file()
     assert "moved the unsealed checkpoint" in said[0]
     assert layout.all_tags(root) == ["step_00000002"]
+
+
+class _OneFileEngine:
+    """Writes one file the way every engine's synchronous save does: a torch.save, no fsync."""
+
+    def save(self, root, tag, client_state, writer=None):
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        torch.save({"w": torch.ones(4)}, root / tag / "model.pt")
+
+
+def test_a_synchronous_save_fsyncs_the_engine_files_before_it_seals(tmp_path, monkeypatch):
+    """Durable before sealed: the engine's file is fsynced before complete.json is written (a
+    power loss after the seal must not lose the file from the page cache)."""
+    order = []
+    fsync = os.fsync
+
+    def watched(fd):
+        order.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", watched)
+    layout.save(_OneFileEngine(), tmp_path, 2, {"step": 2}, keep_last=0, is_main=True)
+    assert "model.pt" in order and "trainer_state.json" in order
+    complete = [i for i, n in enumerate(order) if n.startswith(".complete.json")]
+    assert complete and order.index("model.pt") < complete[0], order
 
 
 # ------------------------------------------------------------------------------ real runs
@@ -265,3 +293,48 @@ def test_sigterm_with_a_background_save_in_flight_finishes_it_then_saves_and_res
     got = {x["step"]: x["loss"] for x in read_metrics(out)}
     want = [x["loss"] for x in read_metrics(reference)]
     assert [got[s] for s in range(1, STEPS + 1)] == want
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_background_write_seals_nothing_and_resumes_from_the_last(
+    tiny_data, reference, tmp_path
+):
+    """A file-size limit (RLIMIT_FSIZE, inherited by the ranks) fails the background writers'
+    files the way a full disk does: the run stops saying which checkpoint is intact, nothing
+    is sealed, and a re-run sets the unsealed folder aside and resumes from the last sealed."""
+    import resource
+
+    out = tmp_path / "full"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("tensorboard"))
+    limit = 200_000  # smaller than the engine's files, larger than logs and metrics
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    run = args(tiny_data, out, "--async-save", steps=16, save_every=2)
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(free_port()), "training/train.py", *run]
+    p = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=small_files,
+        start_new_session=True,
+    )
+    text = p.stdout + p.stderr
+    assert "saving checkpoint step_00000014 in the background" in text, text[-4000:]
+    assert set(rank_exit_codes(text)) == {5}, text[-4000:]
+    line = re.search(r"error: (rank 1 stopped: )?could not write checkpoint step_00000014.*", text)
+    assert line and "the previous checkpoint step_00000012 is intact" in line.group(0), text[-4000:]
+    root = out / "checkpoints"
+    assert (root / "latest").read_text() == "step_00000012"
+    assert not (root / "step_00000014" / "complete.json").exists()
+
+    r = launch(run)
+    text = r.stdout + r.stderr
+    assert f"moved the unsealed checkpoint {root / 'step_00000014'}" in text, text[-3000:]
+    assert "resumed from step_00000012" in text, text[-3000:]
+    assert (root / "latest").read_text() == "step_00000016"
