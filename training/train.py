@@ -39,6 +39,7 @@ from training.engines.construct import build_for_engine
 from training.errors import CheckpointError, ConfigError
 from training.guard import refused, run_guarded
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run
+from training.loop.followups import Followups
 from training.loop.loop import LiveCeiling
 from training.loop.profile import StepProfiler, parse_span
 from training.loop.restore import restore
@@ -119,6 +120,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
     def reprobe() -> float:  # all ranks at once, as at the start
         return run_ceiling(dist.device, dtype, shapes).per_rank * dist.world
 
+    followups = start_followups(prepared, dist, run_dir, logger, settings.keep_last)
     last_eval = train_loop(
         Training(
             settings=settings,
@@ -132,6 +134,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
             run_dir=run_dir,
             record=record,
             reprobe=reprobe if ceiling.measured else None,
+            followups=followups,
         )
     )
     # Probe again: a host that changed speed during the run makes its MFU an interval.
@@ -140,13 +143,15 @@ def train(settings: Settings, prepared: Prepared) -> int:
         logger.log({**drift, "step": state.step})
     if dist.is_main and last_eval:
         (run_dir / "final_eval.json").write_text(json.dumps({"step": state.step, **last_eval}))
-    logger.close()
     # Free the engine (DDP's reducer holds the process group) while the group is alive: freed
     # after destroy_process_group, gloo's destructor has been seen to deadlock at exit.
     del engine, loader
     gc.collect()
     nvme.remove_swap(started.ds_config, run_dir, dist.rank)  # the engine's swap files are dead
     distributed.teardown()
+    if followups is not None and not signals.current().honored:
+        followups.finish()  # rank 0 waits alone, the group gone: no peer held in a collective
+    logger.close()
     return 0
 
 
@@ -223,6 +228,18 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
     return engine, facts
 
 
+def start_followups(prepared: Prepared, dist: DistInfo, run_dir: Path, logger, keep_last: int):
+    """Rank 0's background work on sealed checkpoints (None elsewhere, or when none is asked),
+    started on what a stopped or killed run left undone on its latest checkpoint."""
+    if not (dist.is_main and prepared.followups):
+        return None
+    followups = Followups(
+        run_dir, list(prepared.followups), logger, prepared.schedule.total, keep_last
+    )
+    followups.catch_up()
+    return followups
+
+
 def make_loaders(
     settings: Settings, prepared: Prepared, engine: Engine
 ) -> tuple[BatchLoader, TokenDataset]:
@@ -250,6 +267,7 @@ class Training:
     run_dir: Path
     record: dict  # resolved_config.json's content
     reprobe: Callable[[], float] | None  # the matmul ceiling again (None: it was not measured)
+    followups: Followups | None = None  # rank 0's background work on sealed checkpoints
 
 
 def train_loop(t: Training) -> dict:
@@ -288,6 +306,7 @@ def train_loop(t: Training) -> dict:
         run_facts=trainer_facts(record),
         async_save=settings.async_save,
         device=dist.device,
+        followups=t.followups,
     )
     evaluator = Evaluator(
         engine,

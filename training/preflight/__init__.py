@@ -25,6 +25,7 @@ from training.memory.plan import shape_of_config
 from training.preflight import precision as precisions
 from training.preflight.command_line import check_flags, check_launch_env
 from training.preflight.engine import check_chat_data, check_engine, check_parallel
+from training.preflight.followups import background_bytes, plan_followups
 from training.preflight.memory import check_memory
 from training.preflight.model_folder import (
     check_lengths,
@@ -87,6 +88,7 @@ class Prepared:
     raw_config: dict | None = None  # flags applied, precision not
     host: Host | None = None
     shape: object = None  # the model's counted shape (memory/plan.py)
+    followups: tuple = ()  # background work on sealed checkpoints (loop/followups.py: Job)
 
     @property
     def compile(self) -> bool:
@@ -122,6 +124,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     """Check a run before any work; raises ConfigError, DataError, ModelError or CheckpointError
     with one line."""
     check_flags(settings)
+    followups = plan_followups(settings)
     check_out(settings)
     check_launch_env(world)
     default = "zero2.json" if settings.backend == "deepspeed" else "zero0.json"
@@ -156,7 +159,8 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     check_parallel(settings, cfg, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
     check_chat_data(settings, cfg, cfg_path, manifest)
     if settings.backend == "deepspeed":
-        check_memory(settings, cfg, cfg_path, shape, world, host.ranks_here)
+        background = background_bytes(followups, shape.params)
+        check_memory(settings, cfg, cfg_path, shape, world, host.ranks_here, background)
     now = Topology(
         settings.backend,
         world,
@@ -191,6 +195,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         raw_config=raw,
         host=host,
         shape=shape,
+        followups=followups,
     )
     return choose_precision(settings, prepared)
 
@@ -262,7 +267,8 @@ def repick(settings: Settings, prepared: Prepared, choice: Precision) -> Prepare
     )
     check_engine(settings, cfg, path, choice.name)
     if settings.backend == "deepspeed":
-        check_memory(settings, cfg, path, prepared.shape, host.world, host.ranks_here)
+        background = background_bytes(prepared.followups, prepared.shape.params)
+        check_memory(settings, cfg, path, prepared.shape, host.world, host.ranks_here, background)
     return replace(
         prepared, ds_config=cfg, switches=switches, precision=choice.name, precision_choice=choice
     )
