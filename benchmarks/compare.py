@@ -387,6 +387,7 @@ def save_raw(results: dict[str, list[dict]], rows: list[dict], a, host: dict, pa
         "machine": machine(),
         "host": host,
         "code": code_record(),
+        "data": Path(a.data).name,
         "job": {
             k: getattr(a, k)
             for k in (

@@ -2,7 +2,7 @@
 
     python -m benchmarks.scale --data data_cache/pystdlib                 # the default rows
     python -m benchmarks.scale --data DATA --rows 1.3B:zero3_nvme:1024:ckpt --steps 2
-    python -m benchmarks.scale --render                                   # docs/scale.md only
+    python -m benchmarks.scale --render            # docs/scale.md only, from the stored rows
 
 A row is PRESET:CONFIG:SEQ[:ckpt] (a ds_configs name; ckpt turns on activation checkpointing),
 on 2 ranks of this machine, micro-batch 1. For each row:
@@ -22,8 +22,11 @@ on 2 ranks of this machine, micro-batch 1. For each row:
 5. universal conversion and export (fp32, with the reload check), each a process of its own
    under GNU time (wall seconds, peak RSS).
 
-Results go to benchmarks/results/scale.json (one entry a row, rows re-run replace theirs) and
-docs/scale.md is drawn from it. Run folders are removed after each row unless --keep.
+Results go to benchmarks/results/scale.json (one entry a row, rows re-run replace theirs), each
+with the plan made before it ran, the code it ran on (commit and fingerprints), the host's
+class, cores and load, and the run's ceiling probes at start and end (benchmarks/provenance.py).
+docs/scale.md is drawn from that file alone (benchmarks/scale_doc.py), beside today's plan of
+each row. Run folders are removed after each row unless --keep.
 """
 
 from __future__ import annotations
