@@ -185,7 +185,8 @@ def verdict(rows: list[dict]) -> str:
         out += "no held-out row has run."
     if fit:
         out += (
-            f" The rows the constants were fitted to, against the plan before their fit: "
+            f" The rows the constants were fitted to (a row measured again since keeps the "
+            f"mark), against the plan stored before each ran: "
             f"{listing(fit)}."
         )
     return out
