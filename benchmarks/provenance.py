@@ -81,8 +81,9 @@ def busy_cpu_seconds() -> float:
 
 def mfu_distrust(train: dict) -> str | None:
     """Why a row's MFU cannot be trusted, from its stored raw fields, or None when it can: its
-    end-of-run ceiling probe is missing or moved more than 10% from the start's, or other work
-    kept more than BUSY_SHARE of the host's cores busy while it ran."""
+    end-of-run ceiling probe is missing or moved more than 10% from the start's, a step beat
+    the start's ceiling, or other work kept more than BUSY_SHARE of the host's cores busy while
+    it ran (CPU the job's short-lived children used between samples counts as other work)."""
     from training.runtime.flops import DRIFT_WARN
 
     ceiling = train.get("ceiling") or {}
@@ -91,6 +92,8 @@ def mfu_distrust(train: dict) -> str | None:
     change = ceiling["end_per_rank_flops"] / ceiling["start_per_rank_flops"] - 1
     if abs(change) > DRIFT_WARN:
         return f"end-of-run ceiling probe {change:+.0%} from the start's"
+    if ceiling.get("raised"):
+        return "a step beat the start's ceiling (probed in a slow spell), which was raised"
     host = train.get("host") or {}
     other, n = host.get("other_cores_busy"), host.get("cores")
     if other is None or not n:

@@ -377,12 +377,12 @@ def train(row: dict, a, run: Path, nvme: Path, force: bool, checkpoint: bool) ->
         "checkpoint_bytes": folder_bytes(run / "checkpoints" / tag) if tag else None,
         "wall_s": w.samples[-1][0] if w.samples else None,
         "loss": [r["loss"] for r in steps],
-        "ceiling": ceiling_probes(run, records),
+        "ceiling": ceiling_probes(records),
         "host": host,
     }
 
 
-def ceiling_probes(run: Path, records: list[dict]) -> dict:
+def ceiling_probes(records: list[dict]) -> dict:
     """The run's matmul ceiling (per rank) probed at its start and again at its end, and
     whether a step beat it (the loop then raised it), from its own record: what MFU divided by,
     so the table can tell an MFU that holds from one measured while the host changed speed."""

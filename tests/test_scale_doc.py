@@ -59,6 +59,9 @@ def test_mfu_is_trusted_only_when_the_probes_agree_on_a_quiet_host():
     assert "-15%" in mfu_distrust(train_row(1e11, 0.85e11, 0.1))
     assert "loaded host" in mfu_distrust(train_row(1e11, 1e11, BUSY_SHARE * 2 + 0.5))
     assert "no end-of-run" in mfu_distrust(train_row(1e11, None, 0.0))
+    raised = train_row(1e11, 1e11, 0.0)
+    raised["ceiling"]["raised"] = True
+    assert "beat the start's ceiling" in mfu_distrust(raised)
     assert "no host load" in mfu_distrust({"ceiling": train_row(1, 1, 0)["ceiling"]})
 
 
