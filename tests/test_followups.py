@@ -171,3 +171,30 @@ def test_exports_universal_copies_and_task_scores_come_while_training_and_a_kill
     assert resumed == {x["step"]: x["loss"] for x in read_metrics(whole)}  # bit for bit
     scored = {x["step"] for x in read_metrics(killed, "tasks")}
     assert {resumed_at, 6} <= scored, scored
+
+
+def test_background_work_that_does_not_fit_beside_the_ranks_is_refused(tiny_data, tmp_path):
+    """The job's memory (8 bytes a parameter) is planned on rank 0's host: a host the run fits
+    with less than that to spare refuses --export-every in one line naming the flags; without
+    them the same run passes."""
+    from training.errors import ConfigError
+    from training.memory import plan
+    from training.preflight import prepare_run
+    from training.preflight.followups import BYTES_PER_PARAM
+    from training.settings.flags import Settings
+
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "125M"]
+    argv += ["--seq-len", "512", "--micro-batch", "1", "--precision", "fp32"]
+    prepared = prepare_run(Settings.parse(argv), world=2)
+    p = plan.plan(
+        prepared.shape, prepared.ds_config, 2, seq_len=512, ranks_per_host=2, device_type="cpu"
+    )
+    need = 2 * (p.total("device") + p.total("host"))
+    spare = BYTES_PER_PARAM * prepared.shape.params / 2  # room for half the job
+    host = f"{(need + spare) / plan.HEADROOM / 2**30:.4f}"
+    prepare_run(Settings.parse([*argv, "--host-mem-gib", host]), world=2)
+    with pytest.raises(ConfigError) as e:
+        prepare_run(Settings.parse([*argv, "--host-mem-gib", host, "--export-every", "100"]), 2)
+    line = str(e.value)
+    assert "\n" not in line and "does not fit on rank 0's host" in line, line
+    assert "drop --export-every, --universal-every and --eval-tasks" in line
