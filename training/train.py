@@ -245,11 +245,12 @@ def make_loaders(
 ) -> tuple[BatchLoader, TokenDataset]:
     """The training reader, sharded over the data-parallel replicas, and the validation set
     (for a mixture `--data A:0.7,B:0.3`, data.Mixture of the folders)."""
-    train_ds = open_split(settings.data, "train", settings.seq_len)
+    pack = settings.doc_mask  # chat data: several examples a sample, kept apart by the mask
+    train_ds = open_split(settings.data, "train", settings.seq_len, pack)
     loader = BatchLoader(
         train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, settings.seed
     )
-    return loader, open_split(settings.data, "val", settings.seq_len)
+    return loader, open_split(settings.data, "val", settings.seq_len, pack)
 
 
 @dataclass(frozen=True, kw_only=True)

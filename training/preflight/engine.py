@@ -3,6 +3,7 @@ and what tensor and sequence parallelism need of the model."""
 
 from __future__ import annotations
 
+from data.manifest import DataError
 from training.errors import ConfigError
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, parallel
@@ -55,9 +56,10 @@ def check_parallel(
 
 
 def check_chat_data(settings: Settings, cfg: dict, cfg_path: str, manifest) -> None:
-    """What chat data (a loss mask, one example per sample) does not compose with: the loop
-    weighs the loss by trained tokens through the engine's micro-batch loss, which the pipeline
-    engine does not expose and Ulysses splits across ranks."""
+    """What chat data (a loss mask, one example per sample, or packed with --doc-mask) does not
+    compose with: the loop weighs the loss by trained tokens through the engine's micro-batch
+    loss, which the pipeline engine does not expose and Ulysses splits across ranks; packing
+    needs the data's EOS only where examples end."""
     if getattr(manifest, "chat", None) is None:
         return
     if ds_config.pipeline_stages(cfg) > 1:
@@ -70,11 +72,16 @@ def check_chat_data(settings: Settings, cfg: dict, cfg_path: str, manifest) -> N
             f"{cfg_path}: chat data with sequence_parallel_size > 1 is not supported; use a "
             "config without sequence parallelism"
         )
-    if settings.doc_mask:
-        raise ConfigError(
-            f"--doc-mask: {settings.data} is chat data, one example per sequence already; "
-            "drop the flag"
-        )
+    if settings.doc_mask:  # packed: the data's EOS must mark only where examples end
+        from data.examples import ExampleDataset, separator_problem
+
+        for split in ("train", "val"):
+            try:
+                problem = separator_problem(ExampleDataset(settings.data, split, settings.seq_len))
+            except DataError:
+                continue  # an empty split: nothing to pack
+            if problem:
+                raise ConfigError(problem)
 
 
 def check_tp_plan(model_cfg, model: str, cfg_path: str) -> None:

@@ -190,7 +190,8 @@ class Settings:
     doc_mask: bool = flag(
         False,
         "document-aware packing: attention stays inside each document of a window (documents end "
-        "at the data's EOS) and positions restart per document; our model only, no pipeline",
+        "at the data's EOS) and positions restart per document; chat data: several whole "
+        "examples packed per sample; our model only, no pipeline",
     )
     pipeline_stages: int | None = flag(
         None,
