@@ -17,6 +17,7 @@ from pathlib import Path
 from data import load_data
 from data.manifest import Manifest
 from models import pick_attention_kernel
+from models.lora import LoraSpec
 from training.checkpoints.resume import ResumePlan, plan_resume
 from training.checkpoints.universal import Topology
 from training.engines.base import OptimizerConfig
@@ -24,7 +25,12 @@ from training.loop.schedule import Schedule
 from training.memory.plan import shape_of_config
 from training.preflight import precision as precisions
 from training.preflight.command_line import check_flags, check_launch_env
-from training.preflight.engine import check_chat_data, check_engine, check_parallel
+from training.preflight.engine import (
+    check_chat_data,
+    check_engine,
+    check_lora,
+    check_parallel,
+)
 from training.preflight.memory import check_memory
 from training.preflight.model_folder import (
     check_lengths,
@@ -87,6 +93,7 @@ class Prepared:
     raw_config: dict | None = None  # flags applied, precision not
     host: Host | None = None
     shape: object = None  # the model's counted shape (memory/plan.py)
+    lora: LoraSpec | None = None  # --lora parsed: adapters on a frozen model (models/lora.py)
 
     @property
     def compile(self) -> bool:
@@ -155,6 +162,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     )
     check_parallel(settings, cfg, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
     check_chat_data(settings, cfg, cfg_path, manifest)
+    lora, shape = check_lora(settings, cfg, cfg_path, model_cfg, shape)
     if settings.backend == "deepspeed":
         check_memory(settings, cfg, cfg_path, shape, world, host.ranks_here)
     now = Topology(
@@ -191,6 +199,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         raw_config=raw,
         host=host,
         shape=shape,
+        lora=lora,
     )
     return choose_precision(settings, prepared)
 

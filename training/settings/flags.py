@@ -168,6 +168,12 @@ class Settings:
         "document-aware packing: attention stays inside each document of a window (documents end "
         "at the data's EOS) and positions restart per document; our model only, no pipeline",
     )
+    lora: str | None = flag(
+        None,
+        "train LoRA adapters (peft) on a frozen --model FOLDER: r=16,alpha=32,dropout=0.05,"
+        "targets=q_proj,v_proj (every key optional; 'default' for all defaults; targets default "
+        "to every attention and MLP projection); deepspeed ZeRO 0-3 or ddp",
+    )
     pipeline_stages: int | None = flag(
         None,
         "overrides pipeline.stages (deepspeed: the model cut into this many stages; the ranks "
