@@ -15,7 +15,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models import ZeroStackForCausalLM, from_llama_state_dict, pipeline_state_dict_to_model
+from models import (
+    ZeroStackForCausalLM,
+    build_model,
+    from_llama_state_dict,
+    pipeline_state_dict_to_model,
+)
+from models.lora import apply_lora, is_adapter, parse_lora
 from training.checkpoints.zero_files import ZeroFiles, load_mapped
 from training.engines import load_full_state_dict
 from training.engines.optim import param_groups
@@ -127,6 +133,36 @@ def load_model(root: Path, tag: str, state: dict, dtype: torch.dtype = torch.flo
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:  # non-persistent buffers (rotary tables) are rebuilt, not stored
             raise WeightsError(f"{root / tag}: buffer {name} has no value")
+    return model.eval()
+
+
+def load_lora_model(root: Path, tag: str, state: dict, dtype: torch.dtype = torch.float32):
+    """A LoRA run's checkpoint as peft holds it: the run's base model (`base_model`, the folder
+    it started from) wrapped with the checkpoint's adapters, rounded to `dtype` and held in fp32.
+    The base weights come from that folder, frozen as they were in training."""
+    base_folder = state.get("base_model")
+    if not base_folder or not Path(base_folder).is_dir():
+        raise WeightsError(
+            f"{root / tag}: a LoRA checkpoint whose base model {base_folder} is not a folder here; "
+            "the adapters need it"
+        )
+    config = config_from_dict(state["model_config"])
+    base = build_model(base_folder, vocab_size=config.vocab_size)
+    model = apply_lora(base, parse_lora(state["lora"]), seed=0)
+    params = dict(model.named_parameters())
+    found = set()
+    with torch.no_grad():
+        for name, t in iter_weights(root, tag, state, config):
+            if is_adapter(name):
+                if name not in params or params[name].shape != t.shape:
+                    raise WeightsError(f"{root / tag}: adapter weight {name} does not fit the model")
+                params[name].copy_(t.to(dtype).float())
+                found.add(name)
+    missing = [n for n in params if is_adapter(n) and n not in found]
+    if missing:
+        raise WeightsError(
+            f"{root / tag}: holds no weights for {len(missing)} adapters, e.g. {missing[0]}"
+        )
     return model.eval()
 
 
