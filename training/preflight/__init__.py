@@ -176,7 +176,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     )
     resume = plan_resume(settings.resume, Path(settings.out), now, settings.universal, log)
     if resume is not None:
-        check_resume_shape(resume, model_cfg, settings.model)
+        check_resume_shape(resume, model_cfg, settings.model, settings.lora)
     optimizer, schedule = ds_config.hyperparameters(cfg, flags, cfg_path)
     prepared = Prepared(
         ds_config=cfg,
