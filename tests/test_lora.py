@@ -184,7 +184,7 @@ def test_ddp_trains_adapters_on_unchanged_base_weights(tiny_data, lora_base, tmp
     saved = torch.load(root / tag / "model.pt", weights_only=True)
     base = build_model(str(lora_base))
     torch.manual_seed(0)
-    fresh = dict(apply_lora(base, parse_lora(LORA[1]), seed=0).named_parameters())
+    fresh = apply_lora(base, parse_lora(LORA[1]), seed=0).state_dict()
     assert saved.keys() == fresh.keys()
     for name, value in saved.items():
         same = torch.equal(value, fresh[name].detach())

@@ -1,6 +1,7 @@
 """Export any zerostack checkpoint to a folder stock `transformers` loads.
 
     python -m training.export RUN_DIR[/STEP] --out HF_DIR [--dtype bfloat16] [--max-shard-size 2GB]
+        [--adapter-only]
 
 From a DeepSpeed (ZeRO 0-3, pipeline), DDP or FSDP2 checkpoint, writes config.json
 (LlamaForCausalLM for our model), model.safetensors (or numbered shards and an index),
@@ -12,6 +13,9 @@ Then it checks its own work: the folder is reloaded with AutoModelForCausalLM an
 greedy generation on a fixed batch must match those of our model holding the checkpoint's
 weights. A mismatch is an error and the folder is not kept. Everything is written into a hidden
 folder beside HF_DIR and renamed into place at the end.
+
+A LoRA run (--lora) exports merged into the weights, or with --adapter-only as the adapter folder
+peft loads on the run's base folder (`PeftModel.from_pretrained`), verified the same way.
 
 Memory: at most one fp32 copy of the weights at any time. The checkpoint's files are mapped and
 read one parameter at a time (zero_files.py), the safetensors files are written one
