@@ -164,5 +164,7 @@ def to_llama_adapter(sd: dict, target_modules: list[str]) -> tuple[dict, list[st
             f"model.layers.{m.group(1)}.{_MODULES[m.group(2)]}" if m else _TOP.get(module, module)
         )
         out[f"{PREFIX}{renamed}.lora_{part}"] = t
-    last = {a.rsplit(".", 1)[-1]: b.rsplit(".", 1)[-1] for a, b in (*_MODULES.items(), *_TOP.items())}
+    last = {
+        a.rsplit(".", 1)[-1]: b.rsplit(".", 1)[-1] for a, b in (*_MODULES.items(), *_TOP.items())
+    }
     return out, [last.get(t, t) for t in target_modules]

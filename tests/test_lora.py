@@ -171,7 +171,11 @@ def test_zero3_exports_an_adapter_and_a_merged_model(zero3_runs, lora_base, tmp_
         merged_logits = full(input_ids=ids).logits
     assert (peft_logits - merged_logits).abs().max() < 1e-4
     assert (merged_logits - before).abs().max() > 1e-3
-    assert all(v.abs().sum() > 0 for k, v in load_file(tmp_path / "adapter" / "adapter_model.safetensors").items() if "lora_B" in k)
+    assert all(
+        v.abs().sum() > 0
+        for k, v in load_file(tmp_path / "adapter" / "adapter_model.safetensors").items()
+        if "lora_B" in k
+    )
 
 
 @pytest.mark.slow

@@ -114,7 +114,9 @@ def export_report(
     ids = _fixed_batch(config.vocab_size)
     ref_logits, ref_gen = _logits_and_greedy(model, ids)
     if adapter_only:
-        return _export_adapter(model, root, tag, state, out, torch_dtype, verify, ids, ref_logits, ref_gen)
+        return _export_adapter(
+            model, root, tag, state, out, torch_dtype, verify, ids, ref_logits, ref_gen
+        )
 
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -156,7 +158,9 @@ def _load(root: Path, tag: str, state: dict, dtype: torch.dtype, merged: bool):
     return model.eval()
 
 
-def _export_adapter(model, root, tag, state, out, dtype, verify, ids, ref_logits, ref_gen) -> Report:
+def _export_adapter(
+    model, root, tag, state, out, dtype, verify, ids, ref_logits, ref_gen
+) -> Report:
     """The adapter folder (adapter_config.json, adapter_model.safetensors, the tokenizer) for
     `PeftModel.from_pretrained(base, folder)`, verified on the run's base model."""
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")

@@ -155,7 +155,9 @@ def load_lora_model(root: Path, tag: str, state: dict, dtype: torch.dtype = torc
         for name, t in iter_weights(root, tag, state, config):
             if is_adapter(name):
                 if name not in params or params[name].shape != t.shape:
-                    raise WeightsError(f"{root / tag}: adapter weight {name} does not fit the model")
+                    raise WeightsError(
+                        f"{root / tag}: adapter weight {name} does not fit the model"
+                    )
                 params[name].copy_(t.to(dtype).float())
                 found.add(name)
     missing = [n for n in params if is_adapter(n) and n not in found]

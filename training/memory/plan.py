@@ -41,8 +41,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from data import DataError, load_data
-from models import PRESETS, ModelError, ZeroStackConfig, ZeroStackForCausalLM, get_config
-from models import lora
+from models import PRESETS, ModelError, ZeroStackConfig, ZeroStackForCausalLM, get_config, lora
 from models.hub import is_hub_name, resolve_pretrained
 from training.errors import ConfigError
 from training.runtime.distributed import accelerator
