@@ -135,8 +135,9 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------- the model
-def model_shape(spec: str, vocab_size: int | None = None) -> ModelShape:
-    """Count a preset's or an HF folder's parameters on the meta device (no memory, no weights)."""
+def model_shape(spec: str, vocab_size: int | None = None, lora_spec=None) -> ModelShape:
+    """Count a preset's or an HF folder's parameters on the meta device (no memory, no weights);
+    with a LoraSpec, only its adapters train (`with_lora`)."""
     if spec in PRESETS:
         cfg = get_config(spec, **({"vocab_size": vocab_size} if vocab_size else {}))
     elif is_hub_name(spec) or Path(spec).is_dir():
@@ -148,7 +149,8 @@ def model_shape(spec: str, vocab_size: int | None = None) -> ModelShape:
             cfg.vocab_size = vocab_size
     else:
         raise ModelError(f"--model {spec}: not a preset ({', '.join(PRESETS)}) and not a folder")
-    return shape_of_config(cfg, spec)
+    shape = shape_of_config(cfg, spec)
+    return with_lora(shape, cfg, lora_spec) if lora_spec else shape
 
 
 def shape_of_config(cfg, name: str) -> ModelShape:
@@ -717,6 +719,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab-size", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lora", default=None, help="the trainer's --lora spec: only adapters train")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument(
         "--device",
@@ -740,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.world < 1:
                 raise ConfigError(f"--world must be at least 1, got {a.world}")
             vocab = a.vocab_size or (load_data(a.data).vocab_size if a.data else None)
-            shape = model_shape(a.model, vocab)
+            shape = model_shape(a.model, vocab, a.lora and lora.parse_lora(a.lora))
             cap = capacity(a.device, a.device_mem, a.host_mem, a.nvme_path)
             rph = a.ranks_per_host or a.world
             cfg = resolve_config(
