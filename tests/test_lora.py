@@ -193,3 +193,13 @@ def test_ddp_trains_adapters_on_unchanged_base_weights(tiny_data, lora_base, tmp
     for name, value in saved.items():
         same = torch.equal(value, fresh[name].detach())
         assert same != is_adapter(name), name  # the base as it was, the adapters trained
+
+
+def test_zero0_masters_are_named_as_the_adapters():
+    """ZeRO-0 keeps fp32 masters grouped as the optimizer holds them: a LoRA run's are the
+    adapters alone, in one group (checkpoints/weights.py reads them by these names)."""
+    from training.checkpoints.weights import _group_names
+
+    (group,) = _group_names(get_config("tiny", vocab_size=512), "r=4")
+    assert len(group) == 2 * 7 * get_config("tiny").num_hidden_layers
+    assert all(is_adapter(name) for name, _ in group)

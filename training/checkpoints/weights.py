@@ -53,7 +53,7 @@ def iter_weights(
     if state.get("pipeline_stages", 1) > 1:  # no ZeRO files (fp32): the layer files hold them
         yield from _pipeline_layer_weights(folder, config)
         return
-    yield from _zero0_weights(folder, config)
+    yield from _zero0_weights(folder, config, state.get("lora"))
 
 
 def _pipeline_layer_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
@@ -77,13 +77,13 @@ def _pipeline_renamer(state: dict, config):
     return rename
 
 
-def _zero0_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+def _zero0_weights(folder: Path, config, lora: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """ZeRO-0 keeps the fp32 masters in the model-states file, grouped as our optimizer groups
     them; the module's own (16-bit) weights are the fallback."""
     states = load_mapped(folder / "mp_rank_00_model_states.pt")
     masters = (states.get("optimizer") or {}).get("fp32_groups")
     if masters is not None and config is not None:
-        names = _group_names(config)
+        names = _group_names(config, lora)
         shapes_match = [len(g) for g in names] == [len(g) for g in masters] and all(
             tuple(p.shape) == shape for g, gn in zip(masters, names) for p, (_, shape) in zip(g, gn)
         )
@@ -96,11 +96,16 @@ def _zero0_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, t.float()
 
 
-def _group_names(config) -> list[list[tuple[str, tuple]]]:
-    """Parameter names in the order the trainer's optimizer groups hold them."""
+def _group_names(config, lora: str | None = None) -> list[list[tuple[str, tuple]]]:
+    """Parameter names in the order the trainer's optimizer groups hold them (a LoRA run's: the
+    adapters only; DeepSpeed keeps no empty group)."""
     model = _meta_model(config)
+    if lora:
+        with torch.device("meta"):
+            model = apply_lora(model, parse_lora(lora), seed=0)
     names = {id(p): (n, tuple(p.shape)) for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in g["params"]] for g in param_groups(model, 0.0)]
+    groups = param_groups(model, 0.0)
+    return [[names[id(p)] for p in g["params"]] for g in groups if g["params"]]
 
 
 def _meta_model(config):
