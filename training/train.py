@@ -33,6 +33,7 @@ from models import (
     set_document_mask,
 )
 from models.hub import resolve_pretrained
+from models.lora import apply_lora
 from training.checkpoints.weights import folder_weights
 from training.engines import Engine, build_engine
 from training.engines.construct import build_for_engine
@@ -195,6 +196,8 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         set_document_mask(model, prepared.manifest.eos_id)
     if prepared.activation_checkpointing:  # the flag, or the config's section
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if prepared.lora is not None:  # frozen base, fresh adapters: what the engine trains
+        model = apply_lora(model, prepared.lora, settings.seed)
     compiled = None
     if prepared.compile:  # in place: parameter names and checkpoints are unchanged
         n, what = compile_blocks(model)
@@ -205,6 +208,9 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         "flops_per_token": flops_per_token(model.config, settings.seq_len, n_params=n_params),
         "model_config": model.config,
         "compiled": compiled,  # "6 x Block": what torch.compile compiles (--compile)
+        "trainable_params": sum(
+            getattr(w, "ds_numel", w.numel()) for w in model.parameters() if w.requires_grad
+        ),
     }
     engine = build_engine(
         settings.backend,
@@ -222,7 +228,8 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         grad_sum=prepared.switches.grad_sum,
     )
     del model  # the pipeline engine keeps only its stage's layers: free the rest
-    if started.resume is None and prepared.precision != "fp32" and settings.model not in PRESETS:
+    imported = settings.model not in PRESETS and prepared.lora is None  # LoRA: no masters
+    if started.resume is None and prepared.precision != "fp32" and imported:
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
         engine.set_master_weights(folder_weights(resolve_pretrained(settings.model)))
     return engine, facts

@@ -193,6 +193,12 @@ class Settings:
         "at the data's EOS) and positions restart per document; chat data: several whole "
         "examples packed per sample; our model only, no pipeline",
     )
+    lora: str | None = flag(
+        None,
+        "train LoRA adapters (peft) on a frozen --model FOLDER: r=16,alpha=32,dropout=0.05,"
+        "targets=q_proj,v_proj (every key optional; 'default' for all defaults; targets default "
+        "to every attention and MLP projection); deepspeed ZeRO 0-3 or ddp",
+    )
     pipeline_stages: int | None = flag(
         None,
         "overrides pipeline.stages (deepspeed: the model cut into this many stages; the ranks "
