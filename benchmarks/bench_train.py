@@ -150,6 +150,9 @@ def main() -> int:
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     p.add_argument("--out", default="docs/bench_train.md")
     p.add_argument("--runs", default="runs/bench")
+    p.add_argument(
+        "--results", default="", help="raw JSON (benchmarks/results/bench_train_MODEL.json)"
+    )
     p.add_argument("extra", nargs="*", help="more train.py flags, after --")
     a = p.parse_args()
     if not (Path(a.data) / "manifest.json").is_file():
@@ -161,8 +164,10 @@ def main() -> int:
         return 2
     # The first row is the yardstick: the same model and attention kernel as the trainer's runs,
     # so the ratio is DeepSpeed's own cost; the second is the loop as people write it (SDPA).
+    from benchmarks.provenance import code_record, host_record
     from models import pick_attention_kernel
 
+    host = host_record()
     ours = pick_attention_kernel("auto", "cpu", a.seq_len)
     rows = [run_reference(a, os.cpu_count() or 1, k) for k in (ours, "sdpa")]
     print(rows, flush=True)
@@ -170,6 +175,13 @@ def main() -> int:
         rows.append(run_config(name, a, Path(a.runs)))
         print(rows[-1], flush=True)
     write_table(rows, a)
+    # the raw rows beside the table, with the host and the code they ran on
+    host["loadavg_after"] = list(os.getloadavg())
+    raw = Path(a.results or REPO / "benchmarks" / "results" / f"bench_train_{a.model}.json")
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    args = {k: v for k, v in vars(a).items() if k not in ("data", "runs", "out", "results")}
+    doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": args}
+    raw.write_text(json.dumps({**doc, "host": host, "code": code_record(), "rows": rows}, indent=1))
     return 0
 
 

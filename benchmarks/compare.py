@@ -5,11 +5,14 @@
 
 Every engine trains the same preset on the same data with the same global batch, steps, seed and
 schedule, each as a real multi-rank run of training/train.py under torchrun. A few-line
-nanoGPT-style DDP loop of the same model (`reference`, below) runs beside them as the speed
-reference. Writes OUT/comparison.md (tokens/s, MFU, peak memory per rank, model-state bytes per
+nanoGPT-style DDP loop of the same model (`reference`, below, uncompiled; `reference_compiled`
+is the same loop under torch.compile, as nanoGPT's train.py runs by default) runs beside them as
+the speed reference. Writes OUT/comparison.md (tokens/s, MFU, peak memory per rank, model-state bytes per
 rank, final train and validation loss, and ZeRO-2 in bf16 against fp32), OUT/comparison_memory.png
-and OUT/comparison_loss.png. Timings are medians over the steps after warm-up; other jobs on the
-machine move them.
+and OUT/comparison_loss.png, and every round's raw figures with the host (its class, cores and
+load) to benchmarks/results/compare_MODEL.json (--results). Timings are medians over the steps
+after warm-up, then the median of the rounds (--repeats), shown with their spread; other jobs on
+the machine move them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.provenance import busy_cpu_seconds
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,11 +69,14 @@ FLOORS = [  # (run, against, at least x)
     ("zero2", "hf_trainer", 1.5),
     # ... and as people run them: transformers' Llama with SDPA, our model with SDPA
     ("zero2", "reference_sdpa", 1.3),
+    # ... and nanoGPT's own default, which compiles (no goal was set: the ratio is reported)
+    ("zero2", "reference_compiled", 1.0),
     ("zero2", "hf_stock", 1.5),
 ]
 # The rows that are loops beside the trainer, not its engines (run_reference starts them).
 LOOPS = (
     "reference",
+    "reference_compiled",
     "reference_sdpa",
     "reference_fp32",
     "plain",
@@ -245,6 +253,8 @@ def run_reference(a, repeat: int = 0, name: str = "reference") -> dict:
         args += ["--micro-batch", str(a.micro_batch * a.ranks)]  # the last flag wins
     if name == "reference_sdpa":
         args += ["--attention", "sdpa"]
+    if name == "reference_compiled":
+        args += ["--compile"]  # nanoGPT's default: compile = True
     if name in ("reference_fp32", "hf_trainer_fp32"):
         # as each runs on a CPU by default: nanoGPT's ctx is nullcontext there, the Trainer's
         # bf16 is False unless asked
@@ -261,7 +271,8 @@ def run_reference(a, repeat: int = 0, name: str = "reference") -> dict:
 def reference(argv: list[str]) -> None:
     """nanoGPT-style DDP, the loop people write by hand: the same model, data, batch, thread
     count and precision (bf16 autocast, or fp32 with --precision fp32 as nanoGPT runs on a CPU;
-    fused AdamW, no_sync accumulation, clipping)."""
+    fused AdamW, no_sync accumulation, clipping). Uncompiled unless --compile is given, which
+    compiles the whole model before wrapping it in DDP, as nanoGPT's train.py does."""
     import resource
 
     import torch
@@ -287,6 +298,8 @@ def reference(argv: list[str]) -> None:
     low = s.precision != "fp32"  # bf16 autocast unless fp32 is asked
     dtype = torch.bfloat16 if low else torch.float32
     ceiling = run_ceiling(torch.device("cpu"), dtype, shapes).per_rank
+    if s.compile:  # nanoGPT: model = torch.compile(model), then DDP(model)
+        model = torch.compile(model)
     ddp = DDP(model)
     decay = DEFAULTS["weight_decay"] if s.weight_decay is None else s.weight_decay
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=decay, fused=True)
@@ -319,7 +332,7 @@ def reference(argv: list[str]) -> None:
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
         row = {"tokens_per_s": tps, "mfu": tps * fpt / peak, "peak_mem_gb": rss.item() / 2**30}
-        row.update(ceiling=ceiling, precision="bf16" if low else "fp32")
+        row.update(ceiling=ceiling, precision="bf16" if low else "fp32", compiled=bool(s.compile))
         Path(s.out).write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
@@ -337,20 +350,62 @@ def floor_ratio(run: dict, against: dict) -> tuple[float | None, list[float]]:
     return (x / y if x and y else None), []
 
 
-def best_of(repeats: list[dict]) -> dict:
-    """One row from repeated runs of the same job: the numbers of the first, the fastest
-    tokens/s and MFU (noise from other jobs only ever slows a run down)."""
+def over_rounds(repeats: list[dict]) -> dict:
+    """One row from repeated runs of the same job: the numbers of the first, the median tokens/s,
+    MFU and ceiling of the rounds, and the rounds' tokens/s (their spread is shown)."""
     ok = [r for r in repeats if "error" not in r]
     if not ok:
         return repeats[0]
-    fastest = max(ok, key=lambda r: r["tokens_per_s"])
     return {
         **ok[0],
-        "tokens_per_s": fastest["tokens_per_s"],
-        "mfu": fastest["mfu"],
-        "ceiling": fastest.get("ceiling"),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
+        "mfu": statistics.median(r["mfu"] for r in ok),
+        "ceiling": statistics.median(r.get("ceiling") or 0 for r in ok),
         "all_tokens_per_s": [r["tokens_per_s"] for r in ok],
     }
+
+
+def spread(r: dict) -> str:
+    """The rounds' tokens/s as "min-max", or "" for one round."""
+    xs = r.get("all_tokens_per_s") or []
+    return f"{min(xs):,.0f}-{max(xs):,.0f}" if len(xs) > 1 else ""
+
+
+def save_raw(results: dict[str, list[dict]], rows: list[dict], a, host: dict, path: Path) -> None:
+    """Every round of every run, the rows drawn from them and the host, as JSON: the table can
+    be checked and redrawn from it."""
+    from benchmarks.provenance import code_record
+
+    keep = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
+    rounds = {
+        n: [{k: v for k, v in r.items() if k != "curve"} for r in rs] for n, rs in results.items()
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "command": " ".join(["python -m benchmarks.compare", *a.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "host": host,
+        "code": code_record(),
+        "data": Path(a.data).name,
+        "job": {
+            k: getattr(a, k)
+            for k in (
+                "model",
+                "layers",
+                "seq_len",
+                "micro_batch",
+                "grad_accum",
+                "steps",
+                "ranks",
+                "repeats",
+                "seed",
+            )
+        },
+        "rows": keep,
+        "rounds": rounds,
+    }
+    path.write_text(json.dumps(doc, indent=1))
 
 
 # ------------------------------------------------------------------------------ the report
@@ -399,14 +454,19 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "micro-batches, so every row steps on the same global batch (the `ranks` column).",
         "",
         f"Tokens/s is the median over steps {WARMUP_STEPS + 1}-{a.steps}"
-        + (f", the best of {a.repeats} runs of each (run round-robin)" if a.repeats > 1 else "")
+        + (
+            f", then the median of {a.repeats} rounds of each (run round-robin; the rounds' "
+            "spread beside it)"
+            if a.repeats > 1
+            else ", one round"
+        )
         + "; MFU is against the "
         "matmul ceiling each run measured for itself at its start (all ranks at once, on the "
         "model's matmul shapes: `training/runtime/flops.py`), summed over ranks. Peak "
         "memory is the fullest rank's peak RSS on a CPU (max allocated on a GPU): it includes "
         "the Python, torch and DeepSpeed runtime, so model states show better in their own "
         "columns. Timings of the same command move by about 5% between runs, even on an idle "
-        "machine: `--repeats N` keeps the best of N."
+        "machine: `--repeats N` takes the median of N rounds."
         + (
             " The DeepSpeed and FSDP2 rows gather and reduce through DeepSpeed's shared-memory "
             "kernel (every rank on one host; `--shm-collectives off` sends them to gloo); "
@@ -415,21 +475,22 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
             else ""
         ),
         "",
-        "| engine | precision | ranks | tokens/s | vs DDP | MFU | peak memory / rank (GiB) | "
+        "| engine | precision | ranks | tokens/s | spread | vs DDP | MFU | peak memory / rank (GiB) | "
         "params | grads | optimizer | buffers | model states / rank (MiB) | planned (MiB) | "
         "train loss | val loss |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         label = _label(r["name"])
         if "error" in r:
-            lines.append(f"| {label} | | | not run: {r['error']} |" + " |" * 11)
+            lines.append(f"| {label} | | | not run: {r['error']} |" + " |" * 12)
             continue
         st = r.get("states", {})
         vs = f"{r['tokens_per_s'] / ddp:.2f}x" if ddp else ""
         ranks = r.get("layout", "") + (f", {r['grad_accum']} accum" if "grad_accum" in r else "")
         lines.append(
-            f"| {label} | {r.get('precision', 'bf16')} | {ranks} | {r['tokens_per_s']:,.0f} | {vs} | "
+            f"| {label} | {r.get('precision', 'bf16')} | {ranks} | {r['tokens_per_s']:,.0f} | "
+            f"{spread(r)} | {vs} | "
             f"{r['mfu']:.1%} | {r['peak_mem_gb']:.2f} | {_mib(st.get('params'))} | "
             f"{_mib(st.get('grads'))} | {_mib(st.get('optimizer'))} | "
             f"{_mib(st.get('buffers'))} | {_mib(st.get('total'))} | "
@@ -485,8 +546,8 @@ def write_report(rows: list[dict], a, out_dir: Path) -> Path:
         "all of DDP's. The offload configs keep their optimizer states in host memory (the same "
         "memory on a CPU-only machine) and add fp32 gradient partitions for the CPU optimizer. "
         "`planned` is what `python -m training.memory_plan` expects for the same model, config "
-        "and world before anything runs (tests/test_memory_plan.py holds it within 25% of the "
-        "count for ZeRO 0-3).",
+        "and world before anything runs (tests/test_memory_plan.py holds it within 2% of the "
+        "count for ZeRO 0-3, 12% for ZeRO-2 with CPU offload).",
         "",
         "![model states and peak memory per rank](comparison_memory.png)",
         "",
@@ -504,11 +565,12 @@ def _label(name: str) -> str:
     return {
         "ddp": "DDP",
         "fsdp": "FSDP2",
-        "reference": "nanoGPT-style DDP (reference)",
+        "reference": "nanoGPT-style DDP, uncompiled (reference)",
+        "reference_compiled": "nanoGPT-style DDP, torch.compile (nanoGPT's default)",
         "plain": "plain loop (1 process, all cores)",
         "hf_trainer": "HF Trainer + DeepSpeed `zero2` (peer)",
         "reference_sdpa": "nanoGPT-style DDP, SDPA attention (as people run it)",
-        "reference_fp32": "nanoGPT-style DDP in fp32 (as nanoGPT runs on a CPU)",
+        "reference_fp32": "nanoGPT-style DDP in fp32, uncompiled",
         "hf_trainer_fp32": "HF Trainer + DeepSpeed ZeRO-2 in fp32 (its default, bf16=False)",
         "hf_stock": "HF Trainer + DeepSpeed `zero2`, transformers' Llama (as people run it)",
         "fsdp_shard": "FSDP2, sharded across micro-steps",
@@ -539,21 +601,23 @@ def write_section(rows: list[dict], a, path: Path) -> str:
         + (f" with {a.layers} layers" if a.layers else "")
         + f", sequence {a.seq_len}, micro-batch {a.micro_batch} x {a.grad_accum} accumulation "
         f"x {a.ranks} ranks x 1 thread, bf16, {a.steps} steps, {a.repeats} rounds run "
-        "round-robin. Tokens/s: the best round's median over the steps after warm-up. MFU is "
+        "round-robin. Tokens/s: the median of the rounds' medians over the steps after warm-up "
+        "(the rounds' spread beside it). MFU is "
         "against the bf16 matmul ceiling each run measured for itself at its start, on all "
         "ranks at once, on the model's matmul shapes (`training/runtime/flops.py`), shown "
         "beside it; absolute numbers move with the host, the ratios of one run do not.",
         "",
-        "| run | tokens/s | vs DDP | MFU | against (GFLOP/s per rank) |",
-        "|---|---:|---:|---:|---:|",
+        "| run | tokens/s | spread | vs DDP | MFU | against (GFLOP/s per rank) |",
+        "|---|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {_label(r['name'])} | not run: {r['error']} | | | |")
+            lines.append(f"| {_label(r['name'])} | not run: {r['error']} | | | | |")
             continue
         vs = f"{r['tokens_per_s'] / ddp:.2f}x" if ddp else ""
         lines.append(
-            f"| {_label(r['name'])} | {r['tokens_per_s']:,.0f} | {vs} | {r['mfu']:.1%} | "
+            f"| {_label(r['name'])} | {r['tokens_per_s']:,.0f} | {spread(r)} | {vs} | "
+            f"{r['mfu']:.1%} | "
             f"{r.get('ceiling', 0) / 1e9:,.0f} |"
         )
     lines += ["", "Ratios, the median of each round's (runs of one round follow each other):", ""]
@@ -666,12 +730,17 @@ def main(argv: list[str] | None = None) -> int:
         "zero3_shard (--hold-weights off), zero2_mean (--grad-sum off), zero2_eager, "
         "zero3_eager and ddp_eager (--no-compile), zero3_gloo and fsdp_gloo "
         "(--shm-collectives off), zero2_fp32, zero2_bf16, ddp_fp32 and ddp_bf16 (--precision), "
-        "and the loops by name (reference_fp32: nanoGPT's fp32 on a CPU) (default: all but the "
-        "variants)",
+        "and the loops by name (reference_compiled: nanoGPT's default torch.compile; "
+        "reference_fp32: nanoGPT's fp32 on a CPU) (default: all but the variants)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the nanoGPT-style loop")
     p.add_argument(
-        "--repeats", type=int, default=1, help="run everything N times, keep the best tokens/s"
+        "--repeats", type=int, default=1, help="run everything N times, take the median tokens/s"
+    )
+    p.add_argument(
+        "--results",
+        default="",
+        help="the raw rounds as JSON (default: benchmarks/results/compare_MODEL[LAYERS].json)",
     )
     p.add_argument("--out", default="docs", help="where comparison.md and the PNGs go")
     p.add_argument("--runs", default="runs/compare", help="where the runs' folders go")
@@ -724,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
 
     names = ([] if a.no_reference else ["reference"]) + (["plain"] if a.plain else [])
     names += ["hf_trainer"] if a.hf_trainer else []
-    names += ["reference_sdpa", "hf_stock"] if a.stock_peers else []
+    names += ["reference_sdpa", "reference_compiled", "hf_stock"] if a.stock_peers else []
     names = list(dict.fromkeys(names + a.engines.split(",")))  # a loop may be named twice
     results: dict[str, list[dict]] = {name: [] for name in names}
     # The floors' runs go first and back to back: the host's speed drifts over minutes, and a
@@ -732,6 +801,10 @@ def main(argv: list[str] | None = None) -> int:
     paired = [n for run, against, _ in FLOORS for n in (against, run) if n in names]
     paired = list(dict.fromkeys(paired))  # reference, ddp, zero2
     order = paired + [n for n in names if n not in paired]
+    from benchmarks.provenance import host_record
+
+    host = {**host_record(), "busy_cpu_s_before": busy_cpu_seconds()}
+    t0 = time.time()
     for repeat in range(a.repeats):  # round-robin, so a busy spell does not hit one engine only
         for name in order:
             if results[name] and "error" in results[name][0]:
@@ -741,7 +814,15 @@ def main(argv: list[str] | None = None) -> int:
                 results[name].append(run_reference(a, repeat, name))
             else:
                 results[name].append(run_engine(name, a, repeat))
-    rows = [best_of(results[name]) for name in names]
+    rows = [over_rounds(results[name]) for name in names]
+    wall = time.time() - t0
+    host.update(loadavg_after=list(os.getloadavg()), wall_s=wall)
+    host["busy_cores"] = (busy_cpu_seconds() - host.pop("busy_cpu_s_before")) / wall
+    raw = Path(
+        a.results or REPO / "benchmarks" / "results" / f"compare_{a.model}{a.layers or ''}.json"
+    )
+    save_raw(results, rows, a, host, raw)
+    print(f"raw rounds: {raw}", flush=True)
     if rows and rows[0]["name"] == "reference":
         print(f"reference: {rows[0]}", flush=True)
     md = write_report(rows, a, Path(a.out))

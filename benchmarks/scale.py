@@ -2,7 +2,7 @@
 
     python -m benchmarks.scale --data data_cache/pystdlib                 # the default rows
     python -m benchmarks.scale --data DATA --rows 1.3B:zero3_nvme:1024:ckpt --steps 2
-    python -m benchmarks.scale --render                                   # docs/scale.md only
+    python -m benchmarks.scale --render            # docs/scale.md only, from the stored rows
 
 A row is PRESET:CONFIG:SEQ[:ckpt] (a ds_configs name; ckpt turns on activation checkpointing),
 on 2 ranks of this machine, micro-batch 1. For each row:
@@ -22,8 +22,11 @@ on 2 ranks of this machine, micro-batch 1. For each row:
 5. universal conversion and export (fp32, with the reload check), each a process of its own
    under GNU time (wall seconds, peak RSS).
 
-Results go to benchmarks/results/scale.json (one entry a row, rows re-run replace theirs) and
-docs/scale.md is drawn from it. Run folders are removed after each row unless --keep.
+Results go to benchmarks/results/scale.json (one entry a row, rows re-run replace theirs), each
+with the plan made before it ran, the code it ran on (commit and fingerprints), the host's
+class, cores and load, and the run's ceiling probes at start and end (benchmarks/provenance.py).
+docs/scale.md is drawn from that file alone (benchmarks/scale_doc.py), beside today's plan of
+each row. Run folders are removed after each row unless --keep.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks import scale_doc
+from benchmarks.provenance import busy_cpu_seconds, code_record, host_record
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 RESULTS = REPO / "benchmarks" / "results" / "scale.json"
 DOC = REPO / "docs" / "scale.md"
-PLOT = REPO / "docs" / "scale_memory.png"
-GiB = 2**30
 DEFAULT_ROWS = [
     "125M:zero2:1024",
     "125M:zero3:1024",
@@ -79,6 +83,9 @@ class Watch:
             text=True,
             start_new_session=True,
         )
+        self.busy0 = busy_cpu_seconds()  # the host's, to tell the job's CPU from others'
+        self.busy1: float | None = None
+        self.own_cpu: dict[int, float] = {}  # pid -> its CPU seconds at the last sample
         self.lines: list[tuple[float, str]] = []
         self.samples: list[tuple[float, dict[int, int], int]] = []  # (t, {rank: rss}, tree rss)
         self.disk_peak = 0
@@ -104,6 +111,8 @@ class Watch:
             for p in procs:
                 try:
                     rss = p.memory_info().rss
+                    cpu = p.cpu_times()
+                    self.own_cpu[p.pid] = cpu.user + cpu.system
                     tree += rss
                     rank = p.environ().get("RANK") if p is not root else None
                     if rank is not None and "python" in p.name():
@@ -122,9 +131,17 @@ class Watch:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, 9)
             self.proc.wait()
+        self.busy1 = busy_cpu_seconds()
         self._reader.join(10)
         self._sampler.join(10)
         return self.proc.returncode
+
+    def other_cores_busy(self) -> float | None:
+        """Cores the host kept busy with work outside this job while it ran, on average."""
+        wall = time.time() - self.t0
+        if self.busy1 is None or wall <= 0:
+            return None
+        return max(0.0, self.busy1 - self.busy0 - sum(self.own_cpu.values())) / wall
 
     @property
     def output(self) -> str:
@@ -238,7 +255,8 @@ def run_row(row: dict, a) -> dict:
     vocab = load_manifest(a.data).vocab_size
     result = {"row": name, **row, "ranks": a.ranks, "steps": a.steps, "vocab": vocab}
     result["forced"] = False
-    result["plan"] = planned(row, vocab, a.ranks, nvme)
+    result["code"] = code_record()  # what the row describes: a later table says when it aged
+    result["plan"] = planned(row, vocab, a.ranks, nvme)  # the plan before the run, kept as is
     print(f"[{name}] plan: {'fits' if result['plan']['fits'] else 'does NOT fit'}", flush=True)
     try:
         if not result["plan"]["fits"]:
@@ -273,7 +291,7 @@ def save_result(result: dict) -> None:
     results = {**load_results(), result["row"]: result}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1))
-    write_doc(with_plans(results))
+    scale_doc.write_doc(with_plans(results), DOC)
 
 
 def row_name(row: dict) -> str:
@@ -297,7 +315,8 @@ def disk_room(plan: dict, work: Path, ranks: int) -> dict:
     swap = plan["per_rank_nvme"] * ranks
     ckpt = 12 * plan["params"]
     ok = swap + ckpt * 1.05 < free
-    why = f"swap {gib(swap)} GiB + checkpoint ~{gib(ckpt)} GiB vs {gib(free)} GiB free on disk"
+    g = scale_doc.gib
+    why = f"swap {g(swap)} GiB + checkpoint ~{g(ckpt)} GiB vs {g(free)} GiB free on disk"
     return {"free": free, "swap": swap, "checkpoint_estimate": ckpt, "checkpoint": ok, "why": why}
 
 
@@ -323,8 +342,10 @@ def train(row: dict, a, run: Path, nvme: Path, force: bool, checkpoint: bool) ->
     steps = a.steps
     if a.exact_resume:  # the schedule spans the resumed step too, as the uninterrupted run's
         steps, extra = a.steps + 1, [*extra, "--stop-at", str(a.steps)]
+    host = host_record()
     w = Watch(torchrun(train_args(row, a.data, run, steps, extra), a.ranks), {}, nvme)
     code = w.wait(a.timeout)
+    host.update(loadavg_after=list(os.getloadavg()), other_cores_busy=w.other_cores_busy())
     if code != 0:
         raise RuntimeError(f"training failed ({code}):\n{w.output[-4000:]}")
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -356,6 +377,27 @@ def train(row: dict, a, run: Path, nvme: Path, force: bool, checkpoint: bool) ->
         "checkpoint_bytes": folder_bytes(run / "checkpoints" / tag) if tag else None,
         "wall_s": w.samples[-1][0] if w.samples else None,
         "loss": [r["loss"] for r in steps],
+        "ceiling": ceiling_probes(records),
+        "host": host,
+    }
+
+
+def ceiling_probes(records: list[dict]) -> dict:
+    """The run's matmul ceiling (per rank) probed at its start and again at its end, and
+    whether a step beat it (the loop then raised it), from its own record: what MFU divided by,
+    so the table can tell an MFU that holds from one measured while the host changed speed."""
+
+    def probe(when: str) -> dict:
+        return next(
+            (r for r in records if r.get("kind") == "ceiling" and r.get("when") == when), {}
+        )
+
+    start, end = probe("start"), probe("end")
+    return {
+        "source": start.get("source"),
+        "start_per_rank_flops": start.get("per_rank_flops"),
+        "end_per_rank_flops": end.get("per_rank_flops"),
+        "raised": any(r.get("kind") == "ceiling" and r.get("when") == "raised" for r in records),
     }
 
 
@@ -407,161 +449,14 @@ def convert_and_export(run: Path, work: Path) -> tuple[dict, dict]:
 
 
 # ------------------------------------------------------------------------------ the document
-def gib(b) -> str:
-    return "-" if b is None else f"{b / GiB:.2f}"
-
-
-def secs(s) -> str:
-    return "-" if s is None else f"{s:.0f}"
-
-
-def ratio(measured, plan) -> str:
-    if not measured or not plan:
-        return "-"
-    return f"{measured / plan:.2f}"
-
-
-def render(results: dict) -> str:
-    rows = [results[k] for k in sorted(results, key=_order)]
-    head = (
-        "| row | params | plan | planned GiB/rank (mem / nvme) | measured peak RSS GiB/rank "
-        "(tree) | measured / planned | NVMe used GiB | construction s / peak GiB (grew) | "
-        "tokens/s | MFU | save s / size GiB / peak GiB | resume s (fresh) | universal s / "
-        "peak GiB | export s / peak GiB |"
-    )
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for r in rows:
-        p = r["plan"]
-        cells = [
-            f"`{r['row']}`" + (" (partial*)" if r.get("partial") else ""),
-            f"{p['params'] / 1e6:,.0f}M",
-            ("fits" if p["fits"] else f"refused (fits: {p['cheapest'] or 'none'})")
-            + (" (run with --force under an earlier plan)" if r.get("forced") else ""),
-            f"{gib(p['per_rank_memory'])} / {gib(p['per_rank_nvme'])}",
-        ]
-        t = r.get("train")
-        if t is None:
-            line = r.get("refusal", {}).get("line", "")
-            cells += [f"not run: the trainer refused it (`{line[:90]}...`)"] + ["-"] * 10
-        else:
-            peak = max(t["peak_rss"])
-            c, u, e, s = (r.get(k) for k in ("construction", "universal", "export", "resume"))
-            cells += [
-                f"{' / '.join(gib(x) for x in t['peak_rss'])} ({gib(t['tree_peak_rss'])})",
-                ratio(peak, p["per_rank_memory"]),
-                gib(t["nvme_peak_bytes"]) if t["nvme_peak_bytes"] else "-",
-                f"{secs(c['seconds'])} / {gib(max(c['peak_rss']))} (+{gib(max(c['grew']))})"
-                if c
-                else "-",
-                f"{t['tokens_per_s']:,.0f}",
-                f"{t['mfu']:.1%}",
-                f"{secs(t['save_seconds'])} / {gib(t['checkpoint_bytes'])} / "
-                f"{gib(max(t['save_peak_rss']) or None)}"
-                if t["checkpoint_bytes"]
-                else "-",
-                f"{s['to_first_step_s'] or 0:.0f} ({s['fresh_to_first_step_s'] or 0:.0f})"
-                + (
-                    {True: ", exact", False: ", NOT exact"}[s["exact"]["equal"]]
-                    if "exact" in s
-                    else ""
-                )
-                if s
-                else "-",
-                f"{u['seconds']:.0f} / {gib(u['peak_rss'])}" if u else "-",
-                f"{e['seconds']:.0f} / {gib(e['peak_rss'])}" if e else "-",
-            ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _order(key: str):
-    from models import get_config, num_params
-
-    preset = key.split(":")[0]
-    try:
-        return (num_params(get_config(preset)), key)
-    except Exception:  # a preset since renamed: last
-        return (float("inf"), key)
-
-
-def plot_memory(results: dict, path: Path) -> None:
-    """Memory per rank against model size, one colour per config: measured peak resident set
-    (filled) beside the plan (hollow), and the rows the plan refuses (x, planned only), under
-    the line of what a rank of this machine has."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series: dict[str, list[dict]] = {}
-    for r in results.values():
-        row = parse_row(r["row"])
-        name = f"{row['config']}{' + ckpt' if row['ckpt'] else ''}, seq {row['seq']}"
-        series.setdefault(name, []).append(r)
-    fig, ax = plt.subplots(figsize=(11, 5))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for (name, rows), colour in zip(sorted(series.items()), colours * 4):
-        rows = sorted(rows, key=lambda r: r["plan"]["params"])
-        x = [r["plan"]["params"] / 1e9 for r in rows]
-        planned_gib = [r["plan"]["per_rank_memory"] / GiB for r in rows]
-        ax.plot(x, planned_gib, "--", color=colour, marker="o", mfc="none", label=f"{name}: plan")
-        ran = [r for r in rows if r.get("train")]
-        if ran:
-            ax.plot(
-                [r["plan"]["params"] / 1e9 for r in ran],
-                [max(r["train"]["peak_rss"]) / GiB for r in ran],
-                "-",
-                color=colour,
-                marker="o",
-                label=f"{name}: measured",
-            )
-        refused = [r for r in rows if not r["plan"]["fits"]]
-        ax.plot(
-            [r["plan"]["params"] / 1e9 for r in refused],
-            [r["plan"]["per_rank_memory"] / GiB for r in refused],
-            "x",
-            color=colour,
-            ms=10,
-        )
-    ranks = next(iter(results.values()))["ranks"]
-    have = psutil.virtual_memory().total / GiB / ranks
-    ax.axhline(have, color="black", lw=0.8)
-    ax.text(
-        0.02,
-        have * 1.03,
-        f"this machine's memory / {ranks} ranks",
-        transform=ax.get_yaxis_transform(),
-    )
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters (billions)")
-    ax.set_ylabel("GiB per rank (host memory)")
-    ax.set_title(
-        "Memory per rank: measured peak (filled) and planned (hollow); x = refused by the plan"
-    )
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_doc(results: dict) -> None:
-    text = DOC.read_text() if DOC.is_file() else ""
-    plot_memory(results, PLOT)
-    table = render(results) + f"\n\n![memory per rank against model size]({PLOT.name})"
-    start, end = "<!-- scale table: benchmarks/scale.py -->", "<!-- end of scale table -->"
-    block = f"{start}\n{table}\n{end}"
-    if start in text and end in text:
-        text = text.split(start)[0] + block + text.split(end, 1)[1]
-    else:
-        text = f"# Scale\n\n{block}\n" + text
-    DOC.write_text(text)
-
-
 def with_plans(results: dict) -> dict:
-    """Every row with the plan as the planner sees it now, beside what was measured then."""
-    for r in results.values():
-        r["plan"] = planned(parse_row(r["row"]), r["vocab"], r["ranks"], REPO / "runs" / "x")
-    return results
+    """Each row as stored, plus `plan_now`: the plan the planner makes for it today, beside the
+    plan stored before it ran (`plan`) and what was measured then."""
+    nvme = REPO / "runs" / "x"
+    return {
+        k: {**r, "plan_now": planned(parse_row(r["row"]), r["vocab"], r["ranks"], nvme)}
+        for k, r in results.items()
+    }
 
 
 def load_results() -> dict:
@@ -597,8 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as e:
                 print(f"[{spec}] failed: {e}", file=sys.stderr, flush=True)
     results = with_plans(load_results())
-    write_doc(results)
-    print(render(results))
+    print(scale_doc.write_doc(results, DOC))
     return 0
 
 

@@ -151,15 +151,15 @@ def _token_ids(m: Manifest) -> tuple:
     return hashlib.sha256(text.encode()).hexdigest(), m.vocab_size, m.eos_id
 
 
-def open_split(spec: str, split: str, seq_len: int):
-    """The reader's dataset for `--data SPEC`: a TokenDataset for one folder (an ExampleDataset
-    for chat data), else a Mixture."""
-    from data.examples import ExampleDataset
+def open_split(spec: str, split: str, seq_len: int, pack: bool = False):
+    """The reader's dataset for `--data SPEC`: a TokenDataset for one folder (for chat data an
+    ExampleDataset, or PackedExamples with `pack`: --doc-mask), else a Mixture."""
+    from data.examples import ExampleDataset, PackedExamples
     from data.reader import TokenDataset
 
     parts = parse_spec(spec)
     chat = load_manifest(parts[0].folder).chat is not None
-    kind = ExampleDataset if chat else TokenDataset
+    kind = (PackedExamples if pack else ExampleDataset) if chat else TokenDataset
     sets = [kind(p.folder, split, seq_len) for p in parts]
     return sets[0] if len(parts) == 1 else Mixture(parts, sets)
 

@@ -38,7 +38,7 @@ from data.manifest import (
     small_val_warning,
     write_manifest,
 )
-from data.shards import unit_hash, write_splits
+from data.shards import DEFAULT_VAL_FRACTION, auto_val_fraction, unit_hash, write_splits
 from data.sources import Source, resolve_source
 
 DEFAULT_SHARD_TOKENS = 2**28  # 512 MB per uint16 shard
@@ -51,7 +51,7 @@ def prepare(
     vocab_size: int = 8192,
     tokenizer: str | os.PathLike | None = None,
     num_proc: int = 1,
-    val_fraction: float = 0.005,
+    val_fraction: float | None = None,
     max_docs: int | None = None,
     text_field: str = "text",
     seed: int = 0,
@@ -89,16 +89,18 @@ def prepare(
     )
 
     out = Path(out)
+    if chat is None:
+        from data.chat import is_chat_source
+
+        chat = is_chat_source(str(source))
+    if val_fraction is None:  # "auto": 0.5%, or enough of a small corpus (shards.py)
+        val_fraction = _auto_val_fraction(out, source, max_docs, chat)
     _check_options(vocab_size, num_proc, val_fraction, max_docs, sample_bytes, shard_tokens)
     # Fail now, before any work, if the vocabulary cannot fit the shard dtype.
     if tokenizer is None:
         dtype_for_vocab(vocab_size, dtype)
     else:
         dtype_for_vocab(check_hf_tokenizer(tokenizer)["vocab_size"], dtype)
-    from data.chat import is_chat_source
-
-    if chat is None:
-        chat = is_chat_source(str(source))
     if chat:
         return _prepare_chat(
             source,
@@ -343,6 +345,25 @@ def _reuse(out: Path, args: dict[str, Any]) -> Manifest | None:
     return None
 
 
+def _auto_val_fraction(out: Path, source, max_docs: int | None, chat: bool) -> float:
+    """--val-fraction not given: a folder already prepared keeps its own (its split never
+    changes under it); else `auto_val_fraction` of the corpus's document count where it is
+    known without reading it (the built-in corpus, or --max-docs), else 0.5%."""
+    if (out / MANIFEST).is_file():
+        try:
+            prior = load_manifest(out).args.get("val_fraction")
+        except DataError:
+            prior = None
+        if prior is not None:
+            return prior
+    if chat:
+        return DEFAULT_VAL_FRACTION
+    count = len(resolve_source(source).files) if str(source) == "pystdlib" else None
+    if max_docs is not None:
+        count = min(count, max_docs) if count else max_docs
+    return auto_val_fraction(count)
+
+
 def _remove_stale_partials(out: Path) -> None:
     """Delete partial folders left by killed runs (their process is gone) for the same --out."""
     for p in out.parent.glob(f".{out.name}.partial-*"):
@@ -409,7 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--tokenizer", default=None, help="reuse this HF tokenizer folder instead")
     p.add_argument("--num-proc", type=int, default=1)
-    p.add_argument("--val-fraction", type=float, default=0.005)
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="share of documents held out for validation (default: 0.005, or enough of a small "
+        "corpus for about 20 documents, at most 0.1; an existing folder keeps its own)",
+    )
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--text-field", default="text", help="jsonl field / parquet or hub column")
     p.add_argument("--seed", type=int, default=0)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from data.manifest import SPLITS, ShardInfo, SplitInfo
+from data.manifest import MIN_VAL_DOCUMENTS, SPLITS, ShardInfo, SplitInfo
 
 _BATCH_CHARS = 1 << 20  # text sent to a worker at a time
 _BATCH_DOCS = 1024
@@ -46,6 +46,24 @@ def split_of(index: int, val_fraction: float, seed: int) -> bool:
     block = max(2, round(1.0 / val_fraction))
     b, pos = divmod(index, block)
     return pos == int(unit_hash(seed, b) * block)
+
+
+DEFAULT_VAL_FRACTION = 0.005  # a large corpus's validation share
+MAX_AUTO_VAL_FRACTION = 0.1  # what "auto" takes from a small corpus at most
+
+
+def auto_val_fraction(documents: int | None) -> float:
+    """--val-fraction's default: 0.5% of a large corpus, but enough of a small one for about
+    MIN_VAL_DOCUMENTS validation documents (a steady loss and bits/byte), at most 10%.
+    `documents`: the corpus's count (an upper bound: empty ones are skipped), None when it is
+    not known without reading the corpus (then 0.5%). One block of `split_of` per validation
+    document, with one to spare."""
+    if not documents:
+        return DEFAULT_VAL_FRACTION
+    block = documents // (MIN_VAL_DOCUMENTS + 1)
+    if block >= round(1 / DEFAULT_VAL_FRACTION):
+        return DEFAULT_VAL_FRACTION
+    return 1.0 / max(block, round(1 / MAX_AUTO_VAL_FRACTION))
 
 
 def mask_name(shard: str) -> str:

@@ -196,3 +196,27 @@ def test_a_small_validation_split_is_flagged_even_when_quiet(out_txt, corpus, tm
     assert load_manifest(small).splits["val"].documents < 20
     prepare(str(corpus / "txt"), tmp_path / "ok", **{**OPTS, "val_fraction": 0.4})
     assert "small-sample" not in capsys.readouterr().err
+
+
+def test_the_default_split_holds_about_20_documents_of_a_small_corpus():
+    from data.shards import auto_val_fraction, split_of
+
+    for n in (100, 300, 1790, 4000, 10**6):
+        f = auto_val_fraction(n)
+        held = sum(split_of(i, f, 0) for i in range(n))
+        assert held >= min(20, n * 0.1) and f <= 0.1, (n, f, held)
+        assert f == 0.005 or held <= 22, (n, f, held)  # a large corpus keeps 0.5%
+    assert auto_val_fraction(None) == 0.005  # a stream of unknown length
+
+
+def test_the_built_in_corpus_by_default_validates_on_20_documents_and_an_old_split_stays(
+    out_txt, tmp_path, capsys
+):
+    tok = {"tokenizer": out_txt / "tokenizer", "progress": False, "max_docs": 300}
+    new = prepare("pystdlib", tmp_path / "new", **tok)
+    assert load_manifest(new).splits["val"].documents >= 20
+    assert "small-sample" not in capsys.readouterr().err
+    old = prepare("pystdlib", tmp_path / "old", **tok, val_fraction=0.005)  # the former default
+    before = load_manifest(old).splits["val"].documents
+    assert prepare("pystdlib", old, **tok) == old  # no --val-fraction: reused as it is
+    assert load_manifest(old).splits["val"].documents == before < 20

@@ -15,13 +15,21 @@ STAGES = ["zero0", "zero1", "zero2", "zero3"]
 CONFIGS = ["zero0", "zero1", "zero2", "fp32", "zero2_offload", "zero3", "zero3_offload"]
 
 
+# How far the plan's model states (parameters, gradients, optimizer states, reduce buckets; not
+# activations or the runtime) may be from what a real engine holds on a rank. Measured
+# (2026-11-26, `small`, 2 ranks): ZeRO 0-3, fp32 and ZeRO-3 with offload within 0-1.3%;
+# ZeRO-2 with CPU offload 9.8% under: DeepSpeed's CPU-offload optimizer holds ~13 MB more than
+# the fp32 master weights and moments the plan counts (its extra host copy is not planned yet).
+STATES_WITHIN = {"zero2_offload": 0.12}
+STATES_WITHIN_DEFAULT = 0.02
+
+
 @pytest.mark.slow
 def test_plan_matches_measured_model_states(tiny_data, tmp_path):
     """ZeRO 0-3 on 2 ranks, `small` (13M parameters here): the planned parameters + gradients +
-    optimizer states + reduce buckets are within 25% of the bytes each rank really holds
-    (`engine.state_bytes()`, the count benchmarks/compare reports beside the plan).
-    Measured here: within 1% for ZeRO 0-3 and fp32,
-    10% under for ZeRO-2 with CPU offload."""
+    optimizer states + reduce buckets are within 2% of the bytes each rank really holds
+    (`engine.state_bytes()`, the count benchmarks/compare reports beside the plan), ZeRO-2 with
+    CPU offload within 12% (STATES_WITHIN says why)."""
     out = tmp_path / "plan_vs_measured.json"
     launch(
         [str(tiny_data), "small", str(out), *CONFIGS], script="tests/scripts/plan_vs_measured.py"
@@ -29,19 +37,21 @@ def test_plan_matches_measured_model_states(tiny_data, tmp_path):
     results = json.loads(out.read_text())
     for name in CONFIGS:  # ZeRO 0-3 (and fp32, and the offload configs, which move the bytes)
         planned = results[name]["plan"]["model_states"]
+        within = STATES_WITHIN.get(name, STATES_WITHIN_DEFAULT)
         for rank, measured in enumerate(results[name]["measured"]):
-            assert abs(planned - measured["total"]) <= 0.25 * measured["total"], (
+            assert abs(planned - measured["total"]) <= within * measured["total"], (
                 name,
                 rank,
                 planned,
                 measured,
             )
     # and category by category where the stages differ: sharded optimizer states (ZeRO-1+),
-    # gradients (ZeRO-2+) and parameters (ZeRO-3) on 2 ranks are half of ZeRO-0's
+    # gradients (ZeRO-2+) and parameters (ZeRO-3) on 2 ranks are half of ZeRO-0's (measured
+    # within 1.5%: DeepSpeed pads each partition)
     for name, category in (("zero1", "optimizer"), ("zero2", "grads"), ("zero3", "params")):
         planned = results[name]["plan"]["per_rank"][category]["device"]
         measured = results[name]["measured"][0][category]
-        assert abs(planned - measured) <= 0.25 * measured, (name, category, planned, measured)
+        assert abs(planned - measured) <= 0.05 * measured, (name, category, planned, measured)
         assert measured < 0.6 * results["zero0"]["measured"][0][category]
 
 

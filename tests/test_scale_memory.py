@@ -256,13 +256,16 @@ def peak_rss(tmp_path: Path, module: str, *args: str) -> dict:
 def test_export_and_universal_conversion_stream(tiny_data, tmp_path):
     """A ZeRO-3 checkpoint of a 105M-parameter model (2 of 1.3B's layers) from a real 2-rank
     run: export (with its reload check) and the universal conversion, one state of one
-    parameter at a time, grow the process by at most 2x the fp32 weights. A path that held the
-    whole state at once would pass that: export's reload check alone holds 1x, the universal
-    conversion's fp32 weights and two moments 3x.
-    Measured alone: export +1.13x of the fp32 weights, universal +0.35x. Inside the full suite
-    (CI=true, after ~300 other tests) both grew more: export 1.55x, universal 1.61x on
-    2026-11-23, 0.95x once before. That is not explained yet; the issue's ~1.5x is measured at
-    1.3B by benchmarks/scale.py."""
+    parameter at a time, keep the promises of docs/checkpoints.md ("Memory"), in growth over the
+    process's size once the command is imported, as multiples of the fp32 weights:
+    - export: its own (anonymous) memory holds one fp32 copy at a time, at most 1.25x (our
+      model for the reference logits; the reload is a mapping of the written file), and its
+      whole resident set, mapped pages of the reloaded file included, at most 1.5x;
+    - universal: its own memory at most 0.5x (one state of one parameter; the checkpoint's
+      mapped pages are handed back as it goes, and are the kernel's to reclaim).
+    A path that held a second fp32 copy (export: 2x) or every state at once (universal: the
+    fp32 weights and both moments, 3x) fails. Measured alone (2026-11-26, 396 MiB of fp32
+    weights): export +1.05x anonymous, +1.14x resident; universal +0.38x resident."""
     model = wide_model(tmp_path / "wide", 2)
     run = tmp_path / "run"
     launch(
@@ -273,6 +276,11 @@ def test_export_and_universal_conversion_stream(tiny_data, tmp_path):
     fp32 = 4 * json.loads((run / "resolved_config.json").read_text())["n_params"]
     export = peak_rss(tmp_path, "training.export", str(run), "--out", str(tmp_path / "hf"))
     universal = peak_rss(tmp_path, "training.universal", str(run))
-    grew = {k: r["peak"] - r["imported"] for k, r in (("export", export), ("universal", universal))}
-    assert grew["export"] <= 2 * fp32, (grew, fp32)
-    assert grew["universal"] <= 2 * fp32, (grew, fp32)
+    grew = {
+        f"{k} {kind}": (r[f"peak{kind}"] - r[f"imported{kind}"]) / fp32
+        for k, r in (("export", export), ("universal", universal))
+        for kind in ("", "_anon")
+    }
+    assert grew["export _anon"] <= 1.25, grew
+    assert grew["export "] <= 1.5, grew
+    assert grew["universal _anon"] <= 0.5, grew

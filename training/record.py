@@ -17,6 +17,7 @@ import transformers
 
 from data import BatchLoader
 from data.mixture import parse_spec
+from models.hub import resolve_pretrained
 from training.runtime import cluster, patches
 from training.runtime.shm import routed_dtypes as shm_routed_dtypes
 from training.settings import ds_config, parallel
@@ -47,6 +48,7 @@ def run_record(
         "ds_config": prepared.ds_config,
         "model_config": facts["model_config"].to_dict(),
         "n_params": facts["n_params"],
+        "trainable_params": facts.get("trainable_params"),
         "flops_per_token": facts["flops_per_token"],
         "compiled": facts.get("compiled"),  # --compile: what torch.compile compiled
         "data": {
@@ -140,6 +142,9 @@ def trainer_facts(record: dict) -> dict:
         "seq_len": flags["seq_len"],
         "model_config": record["model_config"],
         "precision": record["precision"],  # an "auto" resume keeps it (exact resume)
+        # --lora: the adapters' spec, and the frozen model they sit on (what export loads)
+        "lora": flags.get("lora"),
+        "base_model": flags.get("lora") and str(Path(resolve_pretrained(flags["model"])).resolve()),
     }
 
 

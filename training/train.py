@@ -33,12 +33,14 @@ from models import (
     set_document_mask,
 )
 from models.hub import resolve_pretrained
+from models.lora import apply_lora
 from training.checkpoints.weights import folder_weights
 from training.engines import Engine, build_engine
 from training.engines.construct import build_for_engine
 from training.errors import CheckpointError, ConfigError
 from training.guard import refused, run_guarded
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run
+from training.loop.followups import Followups
 from training.loop.loop import LiveCeiling
 from training.loop.profile import StepProfiler, parse_span
 from training.loop.restore import restore
@@ -119,6 +121,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
     def reprobe() -> float:  # all ranks at once, as at the start
         return run_ceiling(dist.device, dtype, shapes).per_rank * dist.world
 
+    followups = start_followups(prepared, dist, run_dir, logger, settings.keep_last)
     last_eval = train_loop(
         Training(
             settings=settings,
@@ -132,6 +135,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
             run_dir=run_dir,
             record=record,
             reprobe=reprobe if ceiling.measured else None,
+            followups=followups,
         )
     )
     # Probe again: a host that changed speed during the run makes its MFU an interval.
@@ -140,13 +144,15 @@ def train(settings: Settings, prepared: Prepared) -> int:
         logger.log({**drift, "step": state.step})
     if dist.is_main and last_eval:
         (run_dir / "final_eval.json").write_text(json.dumps({"step": state.step, **last_eval}))
-    logger.close()
     # Free the engine (DDP's reducer holds the process group) while the group is alive: freed
     # after destroy_process_group, gloo's destructor has been seen to deadlock at exit.
     del engine, loader
     gc.collect()
     nvme.remove_swap(started.ds_config, run_dir, dist.rank)  # the engine's swap files are dead
     distributed.teardown()
+    if followups is not None and not signals.current().honored:
+        followups.finish()  # rank 0 waits alone, the group gone: no peer held in a collective
+    logger.close()
     return 0
 
 
@@ -190,6 +196,8 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         set_document_mask(model, prepared.manifest.eos_id)
     if prepared.activation_checkpointing:  # the flag, or the config's section
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if prepared.lora is not None:  # frozen base, fresh adapters: what the engine trains
+        model = apply_lora(model, prepared.lora, settings.seed)
     compiled = None
     if prepared.compile:  # in place: parameter names and checkpoints are unchanged
         n, what = compile_blocks(model)
@@ -200,6 +208,9 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         "flops_per_token": flops_per_token(model.config, settings.seq_len, n_params=n_params),
         "model_config": model.config,
         "compiled": compiled,  # "6 x Block": what torch.compile compiles (--compile)
+        "trainable_params": sum(
+            getattr(w, "ds_numel", w.numel()) for w in model.parameters() if w.requires_grad
+        ),
     }
     engine = build_engine(
         settings.backend,
@@ -217,10 +228,23 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         grad_sum=prepared.switches.grad_sum,
     )
     del model  # the pipeline engine keeps only its stage's layers: free the rest
-    if started.resume is None and prepared.precision != "fp32" and settings.model not in PRESETS:
+    imported = settings.model not in PRESETS and prepared.lora is None  # LoRA: no masters
+    if started.resume is None and prepared.precision != "fp32" and imported:
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
         engine.set_master_weights(folder_weights(resolve_pretrained(settings.model)))
     return engine, facts
+
+
+def start_followups(prepared: Prepared, dist: DistInfo, run_dir: Path, logger, keep_last: int):
+    """Rank 0's background work on sealed checkpoints (None elsewhere, or when none is asked),
+    started on what a stopped or killed run left undone on its latest checkpoint."""
+    if not (dist.is_main and prepared.followups):
+        return None
+    followups = Followups(
+        run_dir, list(prepared.followups), logger, prepared.schedule.total, keep_last
+    )
+    followups.catch_up()
+    return followups
 
 
 def make_loaders(
@@ -228,11 +252,12 @@ def make_loaders(
 ) -> tuple[BatchLoader, TokenDataset]:
     """The training reader, sharded over the data-parallel replicas, and the validation set
     (for a mixture `--data A:0.7,B:0.3`, data.Mixture of the folders)."""
-    train_ds = open_split(settings.data, "train", settings.seq_len)
+    pack = settings.doc_mask  # chat data: several examples a sample, kept apart by the mask
+    train_ds = open_split(settings.data, "train", settings.seq_len, pack)
     loader = BatchLoader(
         train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, settings.seed
     )
-    return loader, open_split(settings.data, "val", settings.seq_len)
+    return loader, open_split(settings.data, "val", settings.seq_len, pack)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,6 +275,7 @@ class Training:
     run_dir: Path
     record: dict  # resolved_config.json's content
     reprobe: Callable[[], float] | None  # the matmul ceiling again (None: it was not measured)
+    followups: Followups | None = None  # rank 0's background work on sealed checkpoints
 
 
 def train_loop(t: Training) -> dict:
@@ -288,6 +314,7 @@ def train_loop(t: Training) -> dict:
         run_facts=trainer_facts(record),
         async_save=settings.async_save,
         device=dist.device,
+        followups=t.followups,
     )
     evaluator = Evaluator(
         engine,

@@ -1,6 +1,7 @@
 """Export any zerostack checkpoint to a folder stock `transformers` loads.
 
     python -m training.export RUN_DIR[/STEP] --out HF_DIR [--dtype bfloat16] [--max-shard-size 2GB]
+        [--adapter-only]
 
 From a DeepSpeed (ZeRO 0-3, pipeline), DDP or FSDP2 checkpoint, writes config.json
 (LlamaForCausalLM for our model), model.safetensors (or numbered shards and an index),
@@ -12,6 +13,9 @@ Then it checks its own work: the folder is reloaded with AutoModelForCausalLM an
 greedy generation on a fixed batch must match those of our model holding the checkpoint's
 weights. A mismatch is an error and the folder is not kept. Everything is written into a hidden
 folder beside HF_DIR and renamed into place at the end.
+
+A LoRA run (--lora) exports merged into the weights, or with --adapter-only as the adapter folder
+peft loads on the run's base folder (`PeftModel.from_pretrained`), verified the same way.
 
 Memory: at most one fp32 copy of the weights at any time. The checkpoint's files are mapped and
 read one parameter at a time (zero_files.py), the safetensors files are written one
@@ -35,11 +39,12 @@ from transformers.utils import logging
 
 from models import ZeroStackForCausalLM
 from models.hf_adapter import to_llama_config, to_llama_state_dict
+from models.lora import adapter_state_dict, lora_config, parse_lora, to_llama_adapter
 from training.checkpoints import layout as ckpt
 from training.checkpoints.universal import Topology
-from training.checkpoints.weights import config_from_dict, load_model
+from training.checkpoints.weights import config_from_dict, load_lora_model, load_model
 from training.checkpoints.zero_files import release_freed_memory
-from training.errors import CheckpointError, ExportError
+from training.errors import CheckpointError, ExportError, WeightsError
 from training.runtime import runlock
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,8 +87,11 @@ def export_report(
     overwrite: bool = False,
     verify: bool = True,
     max_shard_size: str | int = "2GB",
+    adapter_only: bool = False,
 ) -> Report:
-    """Write the HF folder for the checkpoint at `path`; returns what was written and checked."""
+    """Write the HF folder for the checkpoint at `path`; returns what was written and checked.
+    A LoRA run's checkpoint exports merged into a full model, or with `adapter_only` as the
+    adapter folder peft loads on the run's base model."""
     out = Path(out)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -99,10 +107,16 @@ def export_report(
     torch_dtype = DTYPES[dtype]
     config = config_from_dict(state["model_config"])
     ours = isinstance(config, ZeroStackForCausalLM.config_class)
+    if adapter_only and not state.get("lora"):
+        raise ExportError(f"--adapter-only: {root / tag} is not a LoRA run's checkpoint")
 
-    model = load_model(root, tag, state, torch_dtype)
+    model = _load(root, tag, state, torch_dtype, merged=not adapter_only)
     ids = _fixed_batch(config.vocab_size)
     ref_logits, ref_gen = _logits_and_greedy(model, ids)
+    if adapter_only:
+        return _export_adapter(
+            model, root, tag, state, out, torch_dtype, verify, ids, ref_logits, ref_gen
+        )
 
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -124,6 +138,63 @@ def export_report(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Report(out, sorted(p.name for p in out.iterdir()), err, gen)
+
+
+def _load(root: Path, tag: str, state: dict, dtype: torch.dtype, merged: bool):
+    """The checkpoint's model in fp32 (weights rounded to dtype); a LoRA run's is its base with
+    the adapters, as peft holds them or merged into the weights."""
+    try:
+        if not state.get("lora"):
+            return load_model(root, tag, state, dtype)
+        model = load_lora_model(root, tag, state, dtype)
+    except WeightsError as e:
+        raise ExportError(str(e)) from None
+    if not merged:
+        return model
+    model = model.merge_and_unload()
+    with torch.no_grad():  # the merged weights are what is written, in dtype
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
+    return model.eval()
+
+
+def _export_adapter(
+    model, root, tag, state, out, dtype, verify, ids, ref_logits, ref_gen
+) -> Report:
+    """The adapter folder (adapter_config.json, adapter_model.safetensors, the tokenizer) for
+    `PeftModel.from_pretrained(base, folder)`, verified on the run's base model."""
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_adapter(model, state, tmp, dtype)
+        del model
+        _copy_tokenizer(root.parent, state, tmp)
+        err, gen = float("nan"), []
+        if verify:
+            err, gen = verify_export(tmp, ids, ref_logits, ref_gen, base=state["base_model"])
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Report(out, sorted(p.name for p in out.iterdir()), err, gen)
+
+
+def save_adapter(model, state: dict, folder: Path, dtype: torch.dtype) -> None:
+    """peft's two files, under the names of the model `from_pretrained(base_model)` builds
+    (LlamaForCausalLM's for our model): the adapters load on the base folder as it is."""
+    from safetensors.torch import save_file
+
+    sd = adapter_state_dict(model)
+    targets = sorted(model.peft_config["default"].target_modules)
+    if isinstance(model.config, ZeroStackForCausalLM.config_class):
+        sd, targets = to_llama_adapter(sd, targets)
+    config = lora_config(None, parse_lora(state["lora"]), targets)
+    config.base_model_name_or_path = state["base_model"]
+    config.save_pretrained(folder)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in sd.items()}
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
 def check_target(out: Path, overwrite: bool) -> None:
@@ -247,11 +318,20 @@ def _logits_and_greedy(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
     }
 
 
-def verify_export(folder: Path, ids: torch.Tensor, ref_logits: torch.Tensor, ref_gen: dict):
-    """Reload `folder` with stock transformers; its logits on `ids` and its greedy continuation
-    must match the checkpoint's. Returns (max |logit difference|, generated tokens)."""
+def verify_export(
+    folder: Path, ids: torch.Tensor, ref_logits: torch.Tensor, ref_gen: dict, base=None
+):
+    """Reload `folder` with stock transformers (an adapter folder: peft on the `base` folder);
+    its logits on `ids` and its greedy continuation must match the checkpoint's. Returns
+    (max |logit difference|, generated tokens)."""
     logging.disable_progress_bar()
-    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if base is None:
+        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    else:
+        from peft import PeftModel
+
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        theirs = PeftModel.from_pretrained(model, folder).eval()
     logits, gen = _logits_and_greedy(theirs, ids)
     del theirs
     err = (logits - ref_logits).abs().max().item()
@@ -358,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--no-verify", action="store_true", help="skip the reload check")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run: write the adapter folder peft loads on the base model, not the merged model",
+    )
     a = p.parse_args(argv)
     try:
         r = export_report(
@@ -367,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=a.overwrite,
             verify=not a.no_verify,
             max_shard_size=a.max_shard_size,
+            adapter_only=a.adapter_only,
         )
     except (ExportError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -96,12 +96,21 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
-def save(engine, root: Path, step: int, trainer_state: dict, keep_last: int, is_main: bool) -> Path:
-    """All ranks call. Returns the checkpoint folder once it is complete and `latest`.
+def save(
+    engine,
+    root: Path,
+    step: int,
+    trainer_state: dict,
+    keep_last: int,
+    is_main: bool,
+    busy: frozenset = frozenset(),
+) -> Path:
+    """All ranks call. Returns the checkpoint folder once it is complete and `latest`; older
+    ones past `keep_last` are pruned, except those in `busy` (a background job reads them).
     Raises SaveFailed when a file cannot be written; the previous checkpoint stays `latest`."""
     try:
         _start(engine, root, step, trainer_state, is_main, writer=None)
-        _seal(root, tag_for(step), keep_last, is_main, known=None)
+        _seal(root, tag_for(step), keep_last, is_main, known=None, busy=busy)
     except Exception as e:
         raise _failed(root, step, e) from e
     distributed.barrier()
@@ -124,7 +133,9 @@ def save_async(engine, root: Path, step: int, trainer_state: dict, is_main: bool
     return writer
 
 
-def seal(root: Path, step: int, writer, keep_last: int, is_main: bool) -> Path:
+def seal(
+    root: Path, step: int, writer, keep_last: int, is_main: bool, busy: frozenset = frozenset()
+) -> Path:
     """All ranks call, once every rank's writer is done: seal the background save of `step`
     with the hashes its writers took, then move `latest` to it. Raises SaveFailed (naming the
     rank) when some rank's files could not be written: nothing is sealed then."""
@@ -136,7 +147,7 @@ def seal(root: Path, step: int, writer, keep_last: int, is_main: bool) -> Path:
             raise OSError(f"rank {failed[0][0]}: {failed[0][1]}")
         folder = root / tag
         known = {Path(p).relative_to(folder).as_posix(): v for p, v in writer.written.items()}
-        _seal(root, tag, keep_last, is_main, known=known)
+        _seal(root, tag, keep_last, is_main, known=known, busy=busy)
     except Exception as e:
         raise _failed(root, step, e) from e
     distributed.barrier()
@@ -185,7 +196,9 @@ def _start(engine, root: Path, step: int, trainer_state: dict, is_main: bool, wr
     distributed.barrier()  # the trainer state is on disk for every rank to see
 
 
-def _seal(root: Path, tag: str, keep_last: int, is_main: bool, known: dict | None) -> None:
+def _seal(
+    root: Path, tag: str, keep_last: int, is_main: bool, known: dict | None, busy=frozenset()
+) -> None:
     folder = root / tag
     # Durable before sealed: a power loss after complete.json must not leave the engine's files
     # in the page cache only (a background save's writers fsynced their own already).
@@ -194,7 +207,7 @@ def _seal(root: Path, tag: str, keep_last: int, is_main: bool, known: dict | Non
     if is_main:
         _write_atomic(folder / COMPLETE, json.dumps(listing, indent=1))
         _write_atomic(root / LATEST, tag)
-        _prune(root, keep_last)
+        _prune(root, keep_last, busy)
 
 
 def _fsync_files(folder: Path, skip: set[str]) -> None:
@@ -370,10 +383,18 @@ def set_aside_unsealed(root: Path, log) -> list[Path]:
     return moved
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def prune(root: Path, keep_last: int, busy=frozenset()) -> None:
+    """Rank 0: delete the sealed checkpoints (and their universal copies) older than the newest
+    `keep_last`, except those in `busy` (a background job reads them)."""
+    _prune(root, keep_last, busy)
+
+
+def _prune(root: Path, keep_last: int, busy=frozenset()) -> None:
     if keep_last <= 0:
         return
     tags = complete_tags(root)
     for old in tags[:-keep_last]:
+        if old in busy:
+            continue  # a background job reads it: pruned by a later save
         shutil.rmtree(root / (old + UNIVERSAL_SUFFIX), ignore_errors=True)
         shutil.rmtree(root / old, ignore_errors=True)

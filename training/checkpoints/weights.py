@@ -15,7 +15,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models import ZeroStackForCausalLM, from_llama_state_dict, pipeline_state_dict_to_model
+from models import (
+    ZeroStackForCausalLM,
+    build_model,
+    from_llama_state_dict,
+    pipeline_state_dict_to_model,
+)
+from models.lora import apply_lora, is_adapter, parse_lora
 from training.checkpoints.zero_files import ZeroFiles, load_mapped
 from training.engines import load_full_state_dict
 from training.engines.optim import param_groups
@@ -47,7 +53,7 @@ def iter_weights(
     if state.get("pipeline_stages", 1) > 1:  # no ZeRO files (fp32): the layer files hold them
         yield from _pipeline_layer_weights(folder, config)
         return
-    yield from _zero0_weights(folder, config)
+    yield from _zero0_weights(folder, config, state.get("lora"))
 
 
 def _pipeline_layer_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
@@ -71,13 +77,13 @@ def _pipeline_renamer(state: dict, config):
     return rename
 
 
-def _zero0_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+def _zero0_weights(folder: Path, config, lora: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """ZeRO-0 keeps the fp32 masters in the model-states file, grouped as our optimizer groups
     them; the module's own (16-bit) weights are the fallback."""
     states = load_mapped(folder / "mp_rank_00_model_states.pt")
     masters = (states.get("optimizer") or {}).get("fp32_groups")
     if masters is not None and config is not None:
-        names = _group_names(config)
+        names = _group_names(config, lora)
         shapes_match = [len(g) for g in names] == [len(g) for g in masters] and all(
             tuple(p.shape) == shape for g, gn in zip(masters, names) for p, (_, shape) in zip(g, gn)
         )
@@ -90,11 +96,16 @@ def _zero0_weights(folder: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, t.float()
 
 
-def _group_names(config) -> list[list[tuple[str, tuple]]]:
-    """Parameter names in the order the trainer's optimizer groups hold them."""
+def _group_names(config, lora: str | None = None) -> list[list[tuple[str, tuple]]]:
+    """Parameter names in the order the trainer's optimizer groups hold them (a LoRA run's: the
+    adapters only; DeepSpeed keeps no empty group)."""
     model = _meta_model(config)
+    if lora:
+        with torch.device("meta"):
+            model = apply_lora(model, parse_lora(lora), seed=0)
     names = {id(p): (n, tuple(p.shape)) for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in g["params"]] for g in param_groups(model, 0.0)]
+    groups = param_groups(model, 0.0)
+    return [[names[id(p)] for p in g["params"]] for g in groups if g["params"]]
 
 
 def _meta_model(config):
@@ -127,6 +138,38 @@ def load_model(root: Path, tag: str, state: dict, dtype: torch.dtype = torch.flo
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:  # non-persistent buffers (rotary tables) are rebuilt, not stored
             raise WeightsError(f"{root / tag}: buffer {name} has no value")
+    return model.eval()
+
+
+def load_lora_model(root: Path, tag: str, state: dict, dtype: torch.dtype = torch.float32):
+    """A LoRA run's checkpoint as peft holds it: the run's base model (`base_model`, the folder
+    it started from) wrapped with the checkpoint's adapters, rounded to `dtype` and held in fp32.
+    The base weights come from that folder, frozen as they were in training."""
+    base_folder = state.get("base_model")
+    if not base_folder or not Path(base_folder).is_dir():
+        raise WeightsError(
+            f"{root / tag}: a LoRA checkpoint whose base model {base_folder} is not a folder here; "
+            "the adapters need it"
+        )
+    config = config_from_dict(state["model_config"])
+    base = build_model(base_folder, vocab_size=config.vocab_size)
+    model = apply_lora(base, parse_lora(state["lora"]), seed=0)
+    params = dict(model.named_parameters())
+    found = set()
+    with torch.no_grad():
+        for name, t in iter_weights(root, tag, state, config):
+            if is_adapter(name):
+                if name not in params or params[name].shape != t.shape:
+                    raise WeightsError(
+                        f"{root / tag}: adapter weight {name} does not fit the model"
+                    )
+                params[name].copy_(t.to(dtype).float())
+                found.add(name)
+    missing = [n for n in params if is_adapter(n) and n not in found]
+    if missing:
+        raise WeightsError(
+            f"{root / tag}: holds no weights for {len(missing)} adapters, e.g. {missing[0]}"
+        )
     return model.eval()
 
 

@@ -9,8 +9,8 @@ here from held-out documents of the built-in corpus `pystdlib`, so evaluation ru
 
 Held out means: the documents the data preparation puts in the validation split
 (data/shards.py `split_of`) for the run's own data folder when it was prepared from pystdlib,
-else for the default preparation (`--val-fraction 0.005`, seed 0), so no run trained on pystdlib
-with those settings has seen them.
+else for the default preparation (`--val-fraction` auto, seed 0: about 20 documents), so no run
+trained on pystdlib with those settings has seen them.
 """
 
 from __future__ import annotations
@@ -33,9 +33,19 @@ class HeldOut:
     """Which pystdlib documents are held out: those `split_of(i, val_fraction, seed)` puts in
     validation among the first `max_docs` (None: all)."""
 
-    val_fraction: float = 0.005
+    val_fraction: float | None = None  # None: what `data.prepare` picks for pystdlib by default
     seed: int = 0
     max_docs: int | None = None
+
+    @property
+    def fraction(self) -> float:
+        if self.val_fraction is not None:
+            return self.val_fraction
+        from data.shards import auto_val_fraction
+        from data.sources import resolve_source
+
+        docs = len(resolve_source("pystdlib").files)
+        return auto_val_fraction(min(docs, self.max_docs) if self.max_docs else docs)
 
     @classmethod
     def of_data(cls, data_dir: str | Path | None) -> HeldOut:
@@ -55,11 +65,11 @@ def heldout_documents(held: HeldOut) -> list[str]:
     from data.shards import split_of
     from data.sources import resolve_source
 
-    docs = []
+    docs, fraction = [], held.fraction
     for i, doc in enumerate(resolve_source("pystdlib").documents()):
         if held.max_docs is not None and i >= held.max_docs:
             break
-        if split_of(i, held.val_fraction, held.seed):
+        if split_of(i, fraction, held.seed):
             docs.append(doc)
     return docs
 

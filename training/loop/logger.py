@@ -34,7 +34,11 @@ class RunLogger:
         # step 0 starts a new one (an earlier run left in the folder would otherwise mix into
         # every reader's numbers).
         dropped = keep_records_up_to(run_dir / "metrics.jsonl", start_step) if start_step else 0
-        self._jsonl = open(run_dir / "metrics.jsonl", "a" if start_step > 0 else "w", buffering=1)
+        if not start_step:
+            (run_dir / "metrics.jsonl").write_text("")
+        # Always appending (O_APPEND), a line at a time: a background evaluation appends its
+        # records to the same file (loop/followups.py), and no line may land over another.
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         try:
             from torch.utils.tensorboard import SummaryWriter
 

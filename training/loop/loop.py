@@ -192,6 +192,7 @@ def run(
 def _stop_here(agreed, state: LoopState, saver: Saver, saved, stop, logger) -> None:
     """Save at this step, say where a re-run resumes, and mark the stop signal honored."""
     resume_from = saver.stop(state, saved)
+    saver.stop_followups()
     logger.console(
         f"stopped by {signals.name(agreed.signum)} (received by rank {agreed.by_rank}) "
         f"after step {state.step}; re-run the same command to resume from "

@@ -49,12 +49,15 @@ class Saver:
         run_facts: dict,
         async_save: bool = False,
         device=None,
+        followups=None,
     ):
         self.engine, self.loader, self.logger = engine, loader, logger
         self.root, self.keep_last, self.world, self.is_main = root, keep_last, world, is_main
         self.run_facts = run_facts  # backend, topology, model, data: what resume and export read
         self.async_save, self.device = async_save, device
         self.pending: InFlight | None = None
+        # rank 0's background work on sealed checkpoints (loop/followups.py), else None
+        self.followups = followups
 
     def __call__(self, state) -> None:
         """All ranks call: checkpoint the end of step `state.step` (with --async-save: start
@@ -72,7 +75,13 @@ class Saver:
         if not self.async_save:
             started = time.perf_counter()
             layout.save(
-                self.engine, self.root, state.step, trainer_state, self.keep_last, self.is_main
+                self.engine,
+                self.root,
+                state.step,
+                trainer_state,
+                self.keep_last,
+                self.is_main,
+                busy=self._busy(),
             )
             took = time.perf_counter() - started
             self.logger.log(
@@ -84,6 +93,7 @@ class Saver:
                 }
             )
             self.logger.console(f"saved checkpoint {tag}")
+            self._sealed(state.step)
             return
         self.settle()
         started = time.perf_counter()
@@ -97,7 +107,9 @@ class Saver:
 
     def poll(self) -> None:
         """All ranks call at every step boundary: seal the save in flight once every rank's
-        writer is done."""
+        writer is done; rank 0 tends its background work."""
+        if self.followups is not None:
+            self.followups.poll()
         if self.pending is None:
             return
         busy = all_reduce_scalars([0.0 if self.pending.writer.done() else 1.0], self.device, "max")
@@ -143,7 +155,7 @@ class Saver:
     def _seal(self) -> None:
         p, self.pending = self.pending, None
         started = time.perf_counter()
-        layout.seal(self.root, p.step, p.writer, self.keep_last, self.is_main)
+        layout.seal(self.root, p.step, p.writer, self.keep_last, self.is_main, self._busy())
         seal = time.perf_counter() - started
         written = (p.writer.finished or time.monotonic()) - p.writer.started
         self.logger.log(
@@ -164,6 +176,21 @@ class Saver:
             f"saved checkpoint {layout.tag_for(p.step)} (written in the background in "
             f"{written:.2f} s; sealed now)"
         )
+        self._sealed(p.step)
+
+    def _busy(self) -> frozenset:
+        return frozenset(self.followups.busy()) if self.followups is not None else frozenset()
+
+    def _sealed(self, step: int) -> None:
+        if self.followups is not None:
+            self.followups.sealed(step)
+
+    def stop_followups(self) -> None:
+        """A stop signal: rank 0 ends its background work (a re-run starts again what its latest
+        checkpoint lacks). At the run's end train.py waits for it instead, after the process
+        group is gone."""
+        if self.followups is not None:
+            self.followups.stop()
 
     def latest(self) -> str | None:
         return layout.find_latest(self.root)

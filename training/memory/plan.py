@@ -33,7 +33,7 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -41,7 +41,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from data import DataError, load_data
-from models import PRESETS, ModelError, ZeroStackConfig, ZeroStackForCausalLM, get_config
+from models import PRESETS, ModelError, ZeroStackConfig, ZeroStackForCausalLM, get_config, lora
 from models.hub import is_hub_name, resolve_pretrained
 from training.errors import ConfigError
 from training.runtime.distributed import accelerator
@@ -99,6 +99,13 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
+    # parameters that train (LoRA: the adapters; None: all). Frozen weights carry no gradients
+    # and no optimizer states.
+    trainable: int | None = None
+
+    @property
+    def trained(self) -> int:
+        return self.params if self.trainable is None else self.trainable
 
 
 @dataclass
@@ -128,8 +135,9 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------- the model
-def model_shape(spec: str, vocab_size: int | None = None) -> ModelShape:
-    """Count a preset's or an HF folder's parameters on the meta device (no memory, no weights)."""
+def model_shape(spec: str, vocab_size: int | None = None, lora_spec=None) -> ModelShape:
+    """Count a preset's or an HF folder's parameters on the meta device (no memory, no weights);
+    with a LoraSpec, only its adapters train (`with_lora`)."""
     if spec in PRESETS:
         cfg = get_config(spec, **({"vocab_size": vocab_size} if vocab_size else {}))
     elif is_hub_name(spec) or Path(spec).is_dir():
@@ -141,7 +149,8 @@ def model_shape(spec: str, vocab_size: int | None = None) -> ModelShape:
             cfg.vocab_size = vocab_size
     else:
         raise ModelError(f"--model {spec}: not a preset ({', '.join(PRESETS)}) and not a folder")
-    return shape_of_config(cfg, spec)
+    shape = shape_of_config(cfg, spec)
+    return with_lora(shape, cfg, lora_spec) if lora_spec else shape
 
 
 def shape_of_config(cfg, name: str) -> ModelShape:
@@ -167,6 +176,18 @@ def shape_of_config(cfg, name: str) -> ModelShape:
     )
 
 
+def with_lora(shape: ModelShape, cfg, spec) -> ModelShape:
+    """`shape` with the adapters of LoraSpec `spec` (models/lora.py) added and the rest frozen;
+    raises ModelError when a target matches no module."""
+    with torch.device("meta"):
+        if isinstance(cfg, ZeroStackConfig):
+            model = ZeroStackForCausalLM._from_config(cfg)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg)
+    added = lora.trainable_count(model, spec)
+    return replace(shape, params=shape.params + added, trainable=added)
+
+
 def shape_of_run(resolved: dict) -> ModelShape:
     """The ModelShape of a run, from its resolved_config.json (no model is built)."""
     c = resolved["model_config"]
@@ -179,6 +200,7 @@ def shape_of_run(resolved: dict) -> ModelShape:
         hidden=h,
         intermediate=inter,
         vocab=c["vocab_size"],
+        trainable=resolved.get("trainable_params") if resolved["flags"].get("lora") else None,
     )
 
 
@@ -273,8 +295,9 @@ def model_state_placement(
     params = w * n_params / dp if stage == 3 else w * n_params
     if stage == 3 and _held_whole(shape, zero):
         params += w * n_params  # every weight persists whole beside its partition
-    grads = w * n_params / dp if stage >= 2 else w * n_params
-    optimizer = 12 * n_params / dp if stage >= 1 else (12 if w == 2 else 8) * n_params
+    n_train = shape.trained  # frozen weights: no gradient, no optimizer state
+    grads = w * n_train / dp if stage >= 2 else w * n_train
+    optimizer = 12 * n_train / dp if stage >= 1 else (12 if w == 2 else 8) * n_train
     buffers = bucket * w if stage in (1, 3) else 0
 
     per = {c: dict.fromkeys(LOCATIONS, 0) for c in CATEGORIES}
@@ -285,16 +308,16 @@ def model_state_placement(
         per["optimizer"]["device"] = optimizer
     else:
         # The optimizer step runs on the host, on an fp32 copy of this rank's gradient partition.
-        per["grads"]["host"] = 4 * n_params / dp
+        per["grads"]["host"] = 4 * n_train / dp
         if off_opt == "cpu":
             per["optimizer"]["host"] = optimizer
         else:  # nvme: states and fp32 gradients on disk, swapped through buffer_count buffers
-            sub = min(_int(zero.get("sub_group_size"), 1_000_000_000), math.ceil(n_params / dp))
+            sub = min(_int(zero.get("sub_group_size"), 1_000_000_000), math.ceil(n_train / dp))
             count = _int(zero["offload_optimizer"].get("buffer_count"), 4)
             per["optimizer"]["nvme"] = optimizer
             per["grads"]["nvme"] = per["grads"]["host"]
             per["grads"]["host"] = 0
-            held = NVME_SUB_GROUP_EXTRA * sub + NVME_FIXED + NVME_PER_PARAM * n_params / dp
+            held = NVME_SUB_GROUP_EXTRA * sub + NVME_FIXED + NVME_PER_PARAM * n_train / dp
             per["optimizer"]["host"] = count * 4 * sub + held
     if off_par in ("cpu", "nvme") and stage == 3:
         per["params"]["device"] = w * shape.largest_layer  # one gathered module at a time
@@ -336,7 +359,7 @@ def working_bytes(shape: ModelShape, ds_cfg: dict, world: int, activations: int)
         gathered = w * max(kept, shape.largest_layer)  # at least the module in use
     step = 0
     if stage >= 1 and _device(zero, "optimizer") == "none" and w == 2:
-        step = max(0, 4 * shape.params // dp - activations)
+        step = max(0, 4 * shape.trained // dp - activations)
     # With the optimizer on NVMe the fp32 gradients are cast and swapped out a reduce bucket at
     # a time (stage3.partition_grads at the boundary), never as a whole partition; what that
     # path holds is a sub-group's worth (model_state_placement).
@@ -696,6 +719,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab-size", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lora", default=None, help="the trainer's --lora spec: only adapters train")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument(
         "--device",
@@ -719,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.world < 1:
                 raise ConfigError(f"--world must be at least 1, got {a.world}")
             vocab = a.vocab_size or (load_data(a.data).vocab_size if a.data else None)
-            shape = model_shape(a.model, vocab)
+            shape = model_shape(a.model, vocab, a.lora and lora.parse_lora(a.lora))
             cap = capacity(a.device, a.device_mem, a.host_mem, a.nvme_path)
             rph = a.ranks_per_host or a.world
             cfg = resolve_config(

@@ -17,6 +17,7 @@ from pathlib import Path
 from data import load_data
 from data.manifest import Manifest
 from models import pick_attention_kernel
+from models.lora import LoraSpec
 from training.checkpoints.resume import ResumePlan, plan_resume
 from training.checkpoints.universal import Topology
 from training.engines.base import OptimizerConfig
@@ -24,7 +25,13 @@ from training.loop.schedule import Schedule
 from training.memory.plan import shape_of_config
 from training.preflight import precision as precisions
 from training.preflight.command_line import check_flags, check_launch_env
-from training.preflight.engine import check_chat_data, check_engine, check_parallel
+from training.preflight.engine import (
+    check_chat_data,
+    check_engine,
+    check_lora,
+    check_parallel,
+)
+from training.preflight.followups import background_bytes, plan_followups
 from training.preflight.memory import check_memory
 from training.preflight.model_folder import (
     check_lengths,
@@ -87,6 +94,8 @@ class Prepared:
     raw_config: dict | None = None  # flags applied, precision not
     host: Host | None = None
     shape: object = None  # the model's counted shape (memory/plan.py)
+    followups: tuple = ()  # background work on sealed checkpoints (loop/followups.py: Job)
+    lora: LoraSpec | None = None  # --lora parsed: adapters on a frozen model (models/lora.py)
 
     @property
     def compile(self) -> bool:
@@ -122,6 +131,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     """Check a run before any work; raises ConfigError, DataError, ModelError or CheckpointError
     with one line."""
     check_flags(settings)
+    followups = plan_followups(settings)
     check_out(settings)
     check_launch_env(world)
     default = "zero2.json" if settings.backend == "deepspeed" else "zero0.json"
@@ -155,8 +165,10 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     )
     check_parallel(settings, cfg, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
     check_chat_data(settings, cfg, cfg_path, manifest)
+    lora, shape = check_lora(settings, cfg, cfg_path, model_cfg, shape)
     if settings.backend == "deepspeed":
-        check_memory(settings, cfg, cfg_path, shape, world, host.ranks_here)
+        background = background_bytes(followups, shape.params)
+        check_memory(settings, cfg, cfg_path, shape, world, host.ranks_here, background)
     now = Topology(
         settings.backend,
         world,
@@ -168,7 +180,7 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
     )
     resume = plan_resume(settings.resume, Path(settings.out), now, settings.universal, log)
     if resume is not None:
-        check_resume_shape(resume, model_cfg, settings.model)
+        check_resume_shape(resume, model_cfg, settings.model, settings.lora)
     optimizer, schedule = ds_config.hyperparameters(cfg, flags, cfg_path)
     prepared = Prepared(
         ds_config=cfg,
@@ -191,6 +203,8 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         raw_config=raw,
         host=host,
         shape=shape,
+        followups=followups,
+        lora=lora,
     )
     return choose_precision(settings, prepared)
 
@@ -262,7 +276,8 @@ def repick(settings: Settings, prepared: Prepared, choice: Precision) -> Prepare
     )
     check_engine(settings, cfg, path, choice.name)
     if settings.backend == "deepspeed":
-        check_memory(settings, cfg, path, prepared.shape, host.world, host.ranks_here)
+        background = background_bytes(prepared.followups, prepared.shape.params)
+        check_memory(settings, cfg, path, prepared.shape, host.world, host.ranks_here, background)
     return replace(
         prepared, ds_config=cfg, switches=switches, precision=choice.name, precision_choice=choice
     )

@@ -3,7 +3,12 @@ and what tensor and sequence parallelism need of the model."""
 
 from __future__ import annotations
 
+from data.manifest import DataError
+from models import PRESETS
+from models.errors import ModelError
+from models.lora import LoraSpec, parse_lora
 from training.errors import ConfigError
+from training.memory.plan import ModelShape, with_lora
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, parallel
 from training.settings.flags import Settings
@@ -48,9 +53,10 @@ def check_parallel(
 
 
 def check_chat_data(settings: Settings, cfg: dict, cfg_path: str, manifest) -> None:
-    """What chat data (a loss mask, one example per sample) does not compose with: the loop
-    weighs the loss by trained tokens through the engine's micro-batch loss, which the pipeline
-    engine does not expose and Ulysses splits across ranks."""
+    """What chat data (a loss mask, one example per sample, or packed with --doc-mask) does not
+    compose with: the loop weighs the loss by trained tokens through the engine's micro-batch
+    loss, which the pipeline engine does not expose and Ulysses splits across ranks; packing
+    needs the data's EOS only where examples end."""
     if getattr(manifest, "chat", None) is None:
         return
     if ds_config.pipeline_stages(cfg) > 1:
@@ -63,11 +69,48 @@ def check_chat_data(settings: Settings, cfg: dict, cfg_path: str, manifest) -> N
             f"{cfg_path}: chat data with sequence_parallel_size > 1 is not supported; use a "
             "config without sequence parallelism"
         )
-    if settings.doc_mask:
+    if settings.doc_mask:  # packed: the data's EOS must mark only where examples end
+        from data.examples import ExampleDataset, separator_problem
+
+        for split in ("train", "val"):
+            try:
+                problem = separator_problem(ExampleDataset(settings.data, split, settings.seq_len))
+            except DataError:
+                continue  # an empty split: nothing to pack
+            if problem:
+                raise ConfigError(problem)
+
+
+def check_lora(
+    settings: Settings, cfg: dict, cfg_path: str, model_cfg, shape: ModelShape
+) -> tuple[LoraSpec | None, ModelShape]:
+    """--lora parsed and checked against the engine and the model (every target matches a
+    module); returns the spec (None without --lora) and the shape with only the adapters
+    trained, which the memory plan counts."""
+    if settings.lora is None:
+        return None, shape
+    try:
+        spec = parse_lora(settings.lora)
+    except ModelError as e:
+        raise ConfigError(str(e)) from None
+    if settings.model in PRESETS:
         raise ConfigError(
-            f"--doc-mask: {settings.data} is chat data, one example per sequence already; "
-            "drop the flag"
+            f"--lora trains adapters on a pretrained model; --model {settings.model} is a freshly "
+            "initialised preset: give --model FOLDER (an export, or any HF causal LM)"
         )
+    if settings.backend == "fsdp":
+        raise ConfigError("--lora with --backend fsdp is not supported; use deepspeed or ddp")
+    if ds_config.pipeline_stages(cfg) > 1 or parallel.tensor_size(cfg) > 1:
+        raise ConfigError(
+            f"{cfg_path}: --lora with pipeline stages or tensor parallelism is not supported; "
+            "use a ZeRO 0-3 config without them"
+        )
+    if parallel.sequence_size(cfg) > 1:
+        raise ConfigError(f"{cfg_path}: --lora with sequence_parallel_size > 1 is not supported")
+    try:
+        return spec, with_lora(shape, model_cfg, spec)
+    except ModelError as e:
+        raise ConfigError(f"--model {settings.model}: {e}") from None
 
 
 def check_tp_plan(model_cfg, model: str, cfg_path: str) -> None:

@@ -9,13 +9,23 @@ from training.settings.flags import Settings
 
 
 def check_memory(
-    settings: Settings, cfg: dict, cfg_path: str, shape, world: int, ranks_per_host: int
+    settings: Settings,
+    cfg: dict,
+    cfg_path: str,
+    shape,
+    world: int,
+    ranks_per_host: int,
+    background: int = 0,
 ) -> None:
     """The memory plan (training/memory/plan.py) before any rank allocates the model: a run it
     says cannot fit is refused, naming the shipped config that would (--force tries anyway).
-    The plan's advice is kept for a rank that runs out of memory later (training/guard.py)."""
+    The plan's advice is kept for a rank that runs out of memory later (training/guard.py).
+    `background`: what rank 0's background work on checkpoints adds to its host
+    (preflight/followups.py)."""
     verdict = _verdict(settings, cfg, cfg_path, shape, world, ranks_per_host, settings.async_save)
     oom.remember(verdict.advice())
+    if verdict.fits and background and not settings.force:
+        _check_background(verdict, background, cfg_path)
     if verdict.fits or settings.force:
         return
     if settings.async_save:
@@ -47,4 +57,20 @@ def _verdict(settings, cfg, cfg_path, shape, world, ranks_per_host, async_save):
         host_mem_gib=settings.host_mem_gib,
         device_mem_gib=settings.device_mem_gib,
         async_save=async_save,
+    )
+
+
+def _check_background(verdict, background: int, cfg_path: str) -> None:
+    """Rank 0's host holds its ranks and the background job beside them."""
+    p, cap = verdict.plan, verdict.capacity
+    ranks = p.ranks_per_host * (
+        p.total("device") + p.total("host") if cap.device_type == "cpu" else p.total("host")
+    )
+    if ranks + background <= plan.HEADROOM * cap.host_bytes:
+        return
+    raise ConfigError(
+        f"{cfg_path}: the background export/universal/task work on checkpoints "
+        f"({background / 2**30:,.2f} GiB) does not fit on rank 0's host beside its ranks "
+        f"({ranks / 2**30:,.2f} GiB of {cap.host_bytes / 2**30:,.2f} GiB); drop --export-every, "
+        "--universal-every and --eval-tasks (run them after training), or --force"
     )

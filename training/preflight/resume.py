@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from models import from_llama_config
+from models.lora import parse_lora
 from training.checkpoints.resume import ResumePlan
 from training.errors import CheckpointError
 
@@ -21,12 +23,20 @@ SHAPE_KEYS = (
 )
 
 
-def check_resume_shape(plan: ResumePlan, model_cfg, model: str) -> None:
-    """The checkpoint's recorded model config against the requested one, before ranks start (a
-    state-dict traceback on every rank otherwise)."""
-    saved = plan.trainer_state().get("model_config")
+def check_resume_shape(plan: ResumePlan, model_cfg, model: str, lora: str | None = None) -> None:
+    """The checkpoint's recorded model config (and --lora spec) against the requested one,
+    before ranks start (a state-dict traceback on every rank otherwise)."""
+    state = plan.trainer_state()
+    if "lora" in state and parse(state["lora"]) != parse(lora):
+        raise CheckpointError(
+            f"{plan.root / plan.tag} was trained with --lora {state['lora']}, this run asks for "
+            f"--lora {lora}; resume with the same --lora, or start a new run in another --out"
+        )
+    saved = state.get("model_config")
     if not isinstance(saved, dict):
         return  # an old checkpoint without it: the engine's load says
+    if getattr(model_cfg, "model_type", None) == "llama":  # a Llama folder trains as our model
+        model_cfg = from_llama_config(model_cfg)
     wanted = model_cfg.to_dict()
     for key in SHAPE_KEYS:
         if key in saved and key in wanted and saved[key] != wanted[key]:
@@ -35,3 +45,7 @@ def check_resume_shape(plan: ResumePlan, model_cfg, model: str) -> None:
                 f"{model} has {key}={wanted[key]!r}; resume with the model it was trained with, "
                 "or start a new run in another --out (or --resume never)"
             )
+
+
+def parse(lora: str | None):
+    return None if lora is None else parse_lora(lora)

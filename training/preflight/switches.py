@@ -96,6 +96,8 @@ def resolve_switches(
 def _compile(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
     if settings.compile is not None:
         return settings.compile, "--compile" if settings.compile else "--no-compile"
+    if settings.lora is not None:
+        return False, "--lora (unmeasured)"
     checkpointing = ds_config.activation_checkpointing(cfg, settings.as_flags())
     steps = min(settings.steps, settings.stop_at or settings.steps)
     return compile_by_default(cfg, host.device_type, checkpointing, ours=ours, steps=steps)
@@ -173,6 +175,11 @@ def _zero3_whole_blocks(settings, cfg, host, params, ours, precision) -> tuple[b
         if settings.zero3_whole_blocks == "on":
             raise ConfigError("--zero3-whole-blocks on: the run is not ZeRO-3; drop the flag")
         return False, "not ZeRO-3"
+    if settings.lora is not None:  # peft's adapter layers inside a leaf block: their
+        # partitioned weights are not gathered again for the backward (DeepSpeed 0.19)
+        if settings.zero3_whole_blocks == "on":
+            raise ConfigError("--zero3-whole-blocks on with --lora is not supported; drop it")
+        return False, "--lora: adapters inside a block are gathered per layer"
     if settings.zero3_whole_blocks != "auto":
         on = settings.zero3_whole_blocks == "on"
         return on, f"--zero3-whole-blocks {settings.zero3_whole_blocks}"

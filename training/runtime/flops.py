@@ -99,11 +99,21 @@ class Ceiling:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows."""
+    """The CPU's model name (Linux /proc/cpuinfo) with its family and model numbers (a virtual
+    machine's name can be as short as "AMD EPYC": the numbers say Zen 3 or Zen 4), else what
+    `platform` knows."""
     try:
+        fields = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first processor's block is enough
+            fields.setdefault(key.strip(), value.strip())
+        name = fields.get("model name")
+        if name:
+            if "cpu family" in fields and "model" in fields:
+                name += f" (family {fields['cpu family']} model {fields['model']})"
+            return name
     except OSError:
         pass
     return platform.processor() or platform.machine()

@@ -107,6 +107,30 @@ class Settings:
         "states; the checkpoint is sealed (complete.json, then `latest`) at a later step once "
         "every rank's files are durable (every backend; docs/checkpoints.md)",
     )
+    export_every: int = flag(
+        0,
+        "export the checkpoint of every N-th step (a multiple of --save-every) and the run's "
+        "last to RUN/exports/step_N, a verified folder stock transformers loads, in a background "
+        "process while training goes on (0: off; docs/checkpoints.md)",
+    )
+    universal_every: int = flag(
+        0,
+        "deepspeed: convert the checkpoint of every N-th step and the run's last to a universal "
+        "copy beside it (resumable on another world size or ZeRO stage), in the background (0: "
+        "off)",
+    )
+    eval_tasks: str | None = flag(
+        None,
+        "lm-evaluation-harness tasks, comma-separated, scored in a background process on the "
+        "checkpoints --eval-tasks-every names (default with --eval-tasks-every: the shipped "
+        "offline tasks; docs/evaluation.md)",
+    )
+    eval_tasks_every: int | None = flag(
+        None,
+        "score --eval-tasks on the checkpoint of every N-th step (a multiple of --save-every) and "
+        "the run's last (default with --eval-tasks: every checkpoint)",
+    )
+    eval_tasks_limit: int | None = flag(None, "at most N items per task (default: all)")
     activation_checkpointing: bool = flag(
         False,
         "recompute each block in backward (also turned on by the config's "
@@ -166,7 +190,14 @@ class Settings:
     doc_mask: bool = flag(
         False,
         "document-aware packing: attention stays inside each document of a window (documents end "
-        "at the data's EOS) and positions restart per document; our model only, no pipeline",
+        "at the data's EOS) and positions restart per document; chat data: several whole "
+        "examples packed per sample; our model only, no pipeline",
+    )
+    lora: str | None = flag(
+        None,
+        "train LoRA adapters (peft) on a frozen --model FOLDER: r=16,alpha=32,dropout=0.05,"
+        "targets=q_proj,v_proj (every key optional; 'default' for all defaults; targets default "
+        "to every attention and MLP projection); deepspeed ZeRO 0-3 or ddp",
     )
     pipeline_stages: int | None = flag(
         None,
