@@ -89,7 +89,8 @@ class Engine(ABC):
     def save(self, root: Path, tag: str, client_state: dict, writer=None) -> None:
         """Write this engine's files for checkpoint `tag` (all ranks call). With a `writer`
         (checkpoints/background.py, --async-save) hand each file's object to `writer.save`
-        instead: it stages a copy and writes it in the background."""
+        instead (or the whole state and a function that writes its files to `writer.call`):
+        it stages a copy and writes it in the background."""
 
     @abstractmethod
     def load(self, root: Path, tag: str) -> None:
