@@ -151,7 +151,8 @@ def train(settings: Settings, prepared: Prepared) -> int:
     nvme.remove_swap(started.ds_config, run_dir, dist.rank)  # the engine's swap files are dead
     distributed.teardown()
     if followups is not None and not signals.current().honored:
-        followups.finish()  # rank 0 waits alone, the group gone: no peer held in a collective
+        # rank 0 waits alone, the group gone: no peer held in a collective; a SIGTERM ends it
+        followups.finish(lambda: signals.current().requested)
     logger.close()
     return 0
 

@@ -144,8 +144,9 @@ class Followups:
         if self.running is None and self.queue:
             self.running = self._start(*self.queue.popleft())
 
-    def finish(self) -> None:
-        """The run's end: wait for every job (the last checkpoint's included)."""
+    def finish(self, stop_requested=lambda: False) -> None:
+        """The run's end: wait for every job (the last checkpoint's included), unless
+        `stop_requested()` turns true meanwhile (a SIGTERM): then `stop`."""
         if self.running is None and not self.queue:
             return
         self.logger.console(
@@ -153,7 +154,12 @@ class Followups:
             + ", ".join(f"{j.kind} of {layout.tag_for(s)}" for j, s in self._pending())
         )
         while self.running is not None:
-            self.running.proc.wait()
+            try:
+                self.running.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                if stop_requested():
+                    self.stop()
+                    return
             self.poll()
 
     def stop(self) -> None:
