@@ -17,8 +17,10 @@ the characters `</s>`: other targets, so another loss.) TRL pads each batch to i
 example; zerostack pads each example to --seq-len (without --doc-mask), so the rows give
 tokens/s three ways: trained (completion) tokens, real (example) tokens and sequence
 positions computed (padding included). For TRL these are counted from its batches; for
-zerostack, whose metrics count positions, from the data's mean example (the run draws its
-examples at random from it). Raw rows with the host to benchmarks/results/trl_sft.json; a
+zerostack, whose metrics count positions, from the mean of the examples the timed steps drew
+(the same examples: both see the same batches, so the loss at step 1 is the same too).
+`--systems trl,trl_tuned` adds TRL with our run's ZeRO bucket sizes in place of the Trainer's
+`auto` (hidden_size squared) and without TRL's default gradient checkpointing. Raw rows with the host to benchmarks/results/trl_sft.json; a
 markdown table to stdout.
 """
 
@@ -84,11 +86,12 @@ def in_our_order(data: str, seq_len: int, n: int, seed: int = SEED) -> list[dict
     return [rows[i] for i in order]
 
 
-def data_means(data: str) -> dict:
-    """Mean tokens and trained tokens of an example: what a random draw holds on average."""
-    rows = examples(data)
+def drawn_means(data: str, seq_len: int, steps: int, per_step: int) -> dict:
+    """Mean tokens and trained tokens of the examples the timed steps draw (after warm-up): the
+    same ones on both systems, as their batches are the same."""
+    rows = in_our_order(data, seq_len, steps * per_step)[WARMUP_STEPS * per_step :]
     return {
-        "tokens": statistics.fmean(len(r["input_ids"]) for r in rows),
+        "tokens": statistics.fmean(min(len(r["input_ids"]), seq_len + 1) for r in rows),
         "trained": statistics.fmean(sum(r["completion_mask"]) for r in rows),
     }
 
@@ -105,8 +108,11 @@ def worker(a) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as our trainer does
     ds = json.loads((REPO / "ds_configs" / f"{a.config}.json").read_text())
     ds = {k: v for k, v in ds.items() if not k.startswith("_")}
-    for k in ("allgather_bucket_size",):
-        ds.get("zero_optimization", {}).pop(k, None)
+    zero = ds.get("zero_optimization", {})
+    zero.pop("allgather_bucket_size", None)  # the Trainer leaves it to DeepSpeed's default
+    if a.ds_from:  # trl_tuned: the buckets our trainer picked, where the shipped file says auto
+        ours = json.loads(Path(a.ds_from).read_text())["ds_config"]["zero_optimization"]
+        zero |= {k: ours[k] for k, v in zero.items() if v == "auto" and k in ours}
     bf16 = a.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     args = SFTConfig(
@@ -130,6 +136,7 @@ def worker(a) -> None:
         disable_tqdm=True,
         max_length=None,  # the examples are already within --seq-len + 1 (prepare dropped the rest)
         completion_only_loss=True,
+        gradient_checkpointing=not a.ds_from,  # TRL's default is on; trl_tuned turns it off
         # the examples come in zerostack's order (below): accelerate deals batch k to rank
         # k % world, as our reader does, so every step's batches are the same on both
         train_sampling_strategy="sequential",
@@ -206,12 +213,13 @@ def _torchrun(ranks: int, port: int) -> list[str]:
             "--master_port", str(port)]  # fmt: skip
 
 
-def run_trl(a, config: str, lora: str, precision: str, out: Path, port: int) -> dict:
+def run_trl(a, config, lora, precision, out: Path, port: int, ds_from: Path | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = _torchrun(a.ranks, port) + ["-m", "benchmarks.peer_trl", "--worker", "--config", config]
     cmd += ["--data", a.data, "--model", a.model, "--out", str(out), "--steps", str(a.steps)]
     cmd += ["--micro-batch", str(a.micro_batch), "--lr", str(a.lr), "--precision", precision]
     cmd += ["--seq-len", str(a.seq_len), "--lora", lora]
+    cmd += ["--ds-from", str(ds_from)] if ds_from else []
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "console.log").write_text(p.stdout + p.stderr)
@@ -222,7 +230,8 @@ def run_trl(a, config: str, lora: str, precision: str, out: Path, port: int) -> 
 
 
 def zerostack_row(out: Path, seq_len: int, means: dict) -> dict:
-    """tokens/s of a zerostack run's metrics (sequence positions) as the three rates."""
+    """tokens/s of a zerostack run's metrics (sequence positions: micro-batch x seq_len a rank)
+    as the three rates, with the drawn examples' mean tokens and trained tokens."""
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train"]
     positions = statistics.median(r["tokens_per_s"] for r in train[WARMUP_STEPS:])
@@ -309,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--port", type=int, default=29741)
+    p.add_argument(
+        "--systems",
+        default="trl",
+        help="peers beside zerostack: trl (TRL's defaults), trl_tuned (our run's ZeRO buckets, "
+        "no gradient checkpointing)",
+    )
     p.add_argument("--runs", default="runs/bench_trl")
     p.add_argument("--json", default="benchmarks/results/trl_sft.json")
     # worker (one rank of TRL, started by the driver)
@@ -316,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--precision", help=argparse.SUPPRESS)
+    p.add_argument("--ds-from", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         worker(a)
@@ -323,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.host import host_class
 
     a.data, a.model = str(Path(a.data).resolve()), str(Path(a.model).resolve())
-    means = data_means(a.data)
+    means = drawn_means(a.data, a.seq_len, a.steps, a.micro_batch * a.ranks)
     runs = Path(a.runs)
     rows, loads = [], []
     for rnd in range(a.rounds):
@@ -335,10 +351,14 @@ def main(argv: list[str] | None = None) -> int:
                 z |= {"round": rnd, "config": config, "mode": mode, "system": "zerostack"}
                 print(z, flush=True)
                 precision = z.get("precision") or "bf16"
-                t = run_trl(a, config, lora, precision, out / "trl", a.port + 1)
-                t |= {"round": rnd, "config": config, "mode": mode, "system": "trl"}
-                print(t, flush=True)
-                rows += [z, t]
+                rows.append(z)
+                for system in a.systems.split(","):
+                    ds_from = out / "zerostack" / "resolved_config.json"
+                    ds_from = ds_from if system == "trl_tuned" else None
+                    t = run_trl(a, config, lora, precision, out / system, a.port + 1, ds_from)
+                    t |= {"round": rnd, "config": config, "mode": mode, "system": system}
+                    print(t, flush=True)
+                    rows.append(t)
     summary = summarise(rows)
     host = host_class()
     record = {"host": host, "load_avg_1m": loads, "cpus": os.cpu_count(), "args": vars(a),
