@@ -30,6 +30,8 @@ import argparse
 import json
 import os
 import resource
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WARMUP_STEPS = 2  # steps left out of tokens/s
 SEED = 1234
+TIMEOUT_S = 240
 
 
 def lora_config(spec: str):
@@ -208,19 +211,39 @@ def worker(a) -> None:
         Path(a.out, "row.json").write_text(json.dumps(row))
 
 
-def _torchrun(ranks: int, port: int) -> list[str]:
+def _torchrun(ranks: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-            "--master_port", str(port)]  # fmt: skip
+            "--master_port", str(free_port())]  # fmt: skip
 
 
-def run_trl(a, config, lora, precision, out: Path, port: int, ds_from: Path | None = None) -> dict:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """A 2-rank job in its own process group; one stuck past TIMEOUT_S (a rank that never
+    reaches the others) is ended whole and gives a row with an error, not a stuck benchmark."""
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
+    try:
+        out, err = p.communicate(timeout=TIMEOUT_S)
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return subprocess.CompletedProcess(cmd, "timeout", out, err + f"\nno exit in {TIMEOUT_S} s")
+
+
+def run_trl(a, config, lora, precision, out: Path, ds_from: Path | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = _torchrun(a.ranks, port) + ["-m", "benchmarks.peer_trl", "--worker", "--config", config]
+    cmd = _torchrun(a.ranks) + ["-m", "benchmarks.peer_trl", "--worker", "--config", config]
     cmd += ["--data", a.data, "--model", a.model, "--out", str(out), "--steps", str(a.steps)]
     cmd += ["--micro-batch", str(a.micro_batch), "--lr", str(a.lr), "--precision", precision]
     cmd += ["--seq-len", str(a.seq_len), "--lora", lora]
     cmd += ["--ds-from", str(ds_from)] if ds_from else []
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    p = _run(cmd)
     out.mkdir(parents=True, exist_ok=True)
     (out / "console.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0:
@@ -249,8 +272,8 @@ def zerostack_row(out: Path, seq_len: int, means: dict) -> dict:
     }
 
 
-def run_zerostack(a, config: str, lora: str, out: Path, port: int, means: dict) -> dict:
-    cmd = _torchrun(a.ranks, port) + [
+def run_zerostack(a, config: str, lora: str, out: Path, means: dict) -> dict:
+    cmd = _torchrun(a.ranks) + [
         "training/train.py",
         "--ds_config",
         f"ds_configs/{config}.json",
@@ -260,7 +283,7 @@ def run_zerostack(a, config: str, lora: str, out: Path, port: int, means: dict) 
     cmd += ["--warmup", "0", "--log-every", "1", "--eval-every", "0", "--save-every", "-1"]
     cmd += ["--resume", "never", "--no-compile", "--seed", str(SEED)]
     cmd += ["--lora", lora] if lora else []
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    p = _run(cmd)
     out.mkdir(parents=True, exist_ok=True)
     (out / "console.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0:
@@ -317,7 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--port", type=int, default=29741)
     p.add_argument(
         "--systems",
         default="trl",
@@ -340,14 +362,14 @@ def main(argv: list[str] | None = None) -> int:
 
     a.data, a.model = str(Path(a.data).resolve()), str(Path(a.model).resolve())
     means = drawn_means(a.data, a.seq_len, a.steps, a.micro_batch * a.ranks)
-    runs = Path(a.runs)
+    runs, host = Path(a.runs), host_class()
     rows, loads = [], []
     for rnd in range(a.rounds):
         for config in a.configs.split(","):
             for mode, lora in (("full", ""), ("lora", a.lora)):
                 loads.append(os.getloadavg()[0])
                 out = runs / f"r{rnd}" / config / mode
-                z = run_zerostack(a, config, lora, out / "zerostack", a.port, means)
+                z = run_zerostack(a, config, lora, out / "zerostack", means)
                 z |= {"round": rnd, "config": config, "mode": mode, "system": "zerostack"}
                 print(z, flush=True)
                 precision = z.get("precision") or "bf16"
@@ -355,15 +377,14 @@ def main(argv: list[str] | None = None) -> int:
                 for system in a.systems.split(","):
                     ds_from = out / "zerostack" / "resolved_config.json"
                     ds_from = ds_from if system == "trl_tuned" else None
-                    t = run_trl(a, config, lora, precision, out / system, a.port + 1, ds_from)
+                    t = run_trl(a, config, lora, precision, out / system, ds_from)
                     t |= {"round": rnd, "config": config, "mode": mode, "system": system}
                     print(t, flush=True)
                     rows.append(t)
-    summary = summarise(rows)
-    host = host_class()
-    record = {"host": host, "load_avg_1m": loads, "cpus": os.cpu_count(), "args": vars(a),
-              "data_means": means, "rows": rows, "summary": summary}  # fmt: skip
-    Path(a.json).write_text(json.dumps(record, indent=1))
+        summary = summarise(rows)  # written after every round: a cut-short run keeps its rounds
+        record = {"host": host, "load_avg_1m": loads, "cpus": os.cpu_count(), "args": vars(a),
+                  "data_means": means, "rows": rows, "summary": summary}  # fmt: skip
+        Path(a.json).write_text(json.dumps(record, indent=1))
     print(f"\n{host}; {a.ranks} ranks, seq {a.seq_len}, micro-batch {a.micro_batch}, "
           f"{a.steps} steps, load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
     print(table(summary))
