@@ -169,6 +169,13 @@ def worker(a) -> None:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t)
 
+    # DeepSpeed's process group before the model: under ZeRO-3 from_pretrained builds it
+    # partitioned (deepspeed.zero.Init), which on a CPU otherwise reads a world of 1 and refuses
+    # the batch (on a GPU the Trainer's device setup starts it first)
+    import deepspeed
+
+    _ = args.device
+    deepspeed.init_distributed(dist_backend="gloo")
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
     trainer = SFTTrainer(
