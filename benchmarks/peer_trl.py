@@ -20,8 +20,9 @@ positions computed (padding included). For TRL these are counted from its batche
 zerostack, whose metrics count positions, from the mean of the examples the timed steps drew
 (the same examples: both see the same batches, so the loss at step 1 is the same too).
 `--systems trl,trl_tuned` adds TRL with our run's ZeRO bucket sizes in place of the Trainer's
-`auto` (hidden_size squared) and without TRL's default gradient checkpointing. Raw rows with the host to benchmarks/results/trl_sft.json; a
-markdown table to stdout.
+`auto` (hidden_size squared) and without TRL's default gradient checkpointing. Raw rows with
+the host to benchmarks/results/trl_sft.json (after every round); a markdown table to stdout.
+TRL is the `bench` extra (`pip install -e ".[bench]"`); nothing outside benchmarks/ imports it.
 """
 
 from __future__ import annotations
