@@ -15,13 +15,15 @@ with the imports-only baseline taken off (what the tool itself holds). Prints a 
 
     python benchmarks/bench_checkpoints.py --data DATA_DIR --preset 125M --stall [--steps 6]
 
-The training stall per save instead: the same run (seq 32, micro 1, a save every 2 steps) with
-synchronous saves and with --async-save. From the run's metrics.jsonl: the time the step loop
+The training stall per save instead: the same run (seq 32, micro 1, a save every 2 steps;
+`--seq-len`, `--micro-batch` and `--save-every` change them, so that saves can come further apart
+than a background write takes) with synchronous saves and with --async-save. From the run's metrics.jsonl: the time the step loop
 was blocked per save (the "checkpoint" records' stall_s; for a background save the host copy,
 its seal comes at a later boundary and is counted too), the background write time, the step
 time of the steps a background write overlapped against the others, and each run's peak RSS
 (the largest rank, GNU time). Prints a markdown table with the host class and writes the raw
-numbers to benchmarks/results/checkpoint_stall.json.
+numbers to benchmarks/results/checkpoint_stall.json (checkpoint_stall_PRESET_CONFIG.json
+with other settings), with the load average before and after each run.
 """
 
 from __future__ import annotations
@@ -78,10 +80,12 @@ def stall(args, work: Path) -> int:
             PY, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
             "training/train.py", "--data", args.data, "--out", str(run),
             "--model", args.preset, "--ds_config", f"ds_configs/{args.config}.json",
-            "--seq-len", "32", "--micro-batch", "1", "--steps", str(args.steps),
-            "--save-every", "2", "--keep-last", "2", "--eval-every", "0", "--eval-samples", "2",
-            "--log-every", "1", *(["--async-save"] if mode == "async" else []),
+            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+            "--steps", str(args.steps), "--save-every", str(args.save_every), "--keep-last", "2",
+            "--eval-every", "0", "--eval-samples", "2", "--log-every", "1",
+            *(["--async-save"] if mode == "async" else []),
         ]  # fmt: skip
+        load_before = os.getloadavg()[0]
         wall, rss = timed(train, work)
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         saves = [r for r in records if r.get("kind") == "checkpoint"]
@@ -93,6 +97,8 @@ def stall(args, work: Path) -> int:
         overlapped = [dt[s + 1] for s in saved_at if s + 1 in dt]  # the step after a save started
         others = [v for s, v in dt.items() if s - 1 not in saved_at]
         results[mode] = {
+            "load_before": load_before,
+            "load_after": os.getloadavg()[0],
             "wall_s": wall,
             "peak_rss_bytes": rss,
             "saves": saves,
@@ -114,9 +120,16 @@ def stall(args, work: Path) -> int:
         "config": args.config,
         "ranks": args.ranks,
         "steps": args.steps,
+        "save_every": args.save_every,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
         "results": results,
     }
-    dest = REPO / "benchmarks" / "results" / "checkpoint_stall.json"
+    default = (args.save_every, args.seq_len, args.micro_batch) == (2, 32, 1)
+    name = (
+        "checkpoint_stall.json" if default else f"checkpoint_stall_{args.preset}_{args.config}.json"
+    )
+    dest = REPO / "benchmarks" / "results" / name
     dest.write_text(json.dumps(out, indent=1))
     print(
         f"\n{args.preset} ({n_params / 1e6:.0f}M params), {args.config}, {args.ranks} ranks; "
@@ -152,7 +165,10 @@ def main() -> int:
     a.add_argument("--ranks", type=int, default=2)
     a.add_argument("--workdir", default=None, help="default: a temporary folder, removed after")
     a.add_argument("--stall", action="store_true", help="sync vs --async-save stall per save")
-    a.add_argument("--steps", type=int, default=6, help="--stall: steps per run (a save every 2)")
+    a.add_argument("--steps", type=int, default=6, help="--stall: steps per run")
+    a.add_argument("--save-every", type=int, default=2, help="--stall: steps between saves")
+    a.add_argument("--seq-len", type=int, default=32, help="--stall: tokens per sample")
+    a.add_argument("--micro-batch", type=int, default=1, help="--stall: samples per rank and step")
     args = a.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ckpt_"))
