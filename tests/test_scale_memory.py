@@ -259,13 +259,17 @@ def test_export_and_universal_conversion_stream(tiny_data, tmp_path):
     parameter at a time, keep the promises of docs/checkpoints.md ("Memory"), in growth over the
     process's size once the command is imported, as multiples of the fp32 weights:
     - export: its own (anonymous) memory holds one fp32 copy at a time, at most 1.25x (our
-      model for the reference logits; the reload is a mapping of the written file), and its
-      whole resident set, mapped pages of the reloaded file included, at most 1.5x;
+      model for the reference logits; the reload is a mapping of the written file). Its whole
+      resident set also counts the mapped pages of files already in the page cache, which the
+      kernel reclaims at will: within the full suite it grew 2.0x (anonymous still 1.04x), so
+      it is held only to 2.5x, a bound a third copy would break;
     - universal: its own memory at most 0.5x (one state of one parameter; the checkpoint's
       mapped pages are handed back as it goes, and are the kernel's to reclaim).
     A path that held a second fp32 copy (export: 2x) or every state at once (universal: the
     fp32 weights and both moments, 3x) fails. Measured alone (2026-11-26, 396 MiB of fp32
-    weights): export +1.05x anonymous, +1.14x resident; universal +0.38x resident."""
+    weights): export +1.05x anonymous, +1.14x resident; universal +0.38x resident. In the full
+    suite (2026-11-26): export +1.04x anonymous, +2.02x resident; universal +0.20x anonymous,
+    +2.10x resident."""
     model = wide_model(tmp_path / "wide", 2)
     run = tmp_path / "run"
     launch(
@@ -282,5 +286,5 @@ def test_export_and_universal_conversion_stream(tiny_data, tmp_path):
         for kind in ("", "_anon")
     }
     assert grew["export _anon"] <= 1.25, grew
-    assert grew["export "] <= 1.5, grew
+    assert grew["export "] <= 2.5, grew
     assert grew["universal _anon"] <= 0.5, grew
