@@ -251,13 +251,21 @@ def run_trl(a, config, lora, precision, out: Path, ds_from: Path | None = None) 
     cmd += ["--micro-batch", str(a.micro_batch), "--lr", str(a.lr), "--precision", precision]
     cmd += ["--seq-len", str(a.seq_len), "--lora", lora]
     cmd += ["--ds-from", str(ds_from)] if ds_from else []
+    failed = _run_logged(cmd, out)
+    if failed:
+        return failed
+    return json.loads((out / "row.json").read_text())
+
+
+def _run_logged(cmd: list[str], out: Path) -> dict | None:
+    """Run `cmd`, its output kept in OUT/console.log; an error row when it failed, else None."""
     p = _run(cmd)
     out.mkdir(parents=True, exist_ok=True)
     (out / "console.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0:
         print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
         return {"error": f"exit {p.returncode}"}
-    return json.loads((out / "row.json").read_text())
+    return None
 
 
 def zerostack_row(out: Path, seq_len: int, means: dict) -> dict:
@@ -291,12 +299,9 @@ def run_zerostack(a, config: str, lora: str, out: Path, means: dict) -> dict:
     cmd += ["--warmup", "0", "--log-every", "1", "--eval-every", "0", "--save-every", "-1"]
     cmd += ["--resume", "never", "--no-compile", "--seed", str(SEED)]
     cmd += ["--lora", lora] if lora else []
-    p = _run(cmd)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "console.log").write_text(p.stdout + p.stderr)
-    if p.returncode != 0:
-        print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
-        return {"error": f"exit {p.returncode}"}
+    failed = _run_logged(cmd, out)
+    if failed:
+        return failed
     return zerostack_row(out, a.seq_len, means)
 
 

@@ -11,15 +11,14 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import time
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PY, REPO, free_port, launch, read_metrics
-from test_reliability import Job, args, rank_exit_codes
+from conftest import launch, read_metrics
+from test_reliability import Job, args, launch_with_file_limit, rank_exit_codes
 
 from training.checkpoints import layout
 from training.checkpoints.background import BackgroundWriter
@@ -312,19 +311,7 @@ def test_disk_full_during_a_background_write_seals_nothing_and_resumes_from_the_
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     run = args(tiny_data, out, "--async-save", steps=16, save_every=2)
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_port", str(free_port()), "training/train.py", *run]
-    p = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        preexec_fn=small_files,
-        start_new_session=True,
-    )
-    text = p.stdout + p.stderr
+    text = launch_with_file_limit(run, small_files)
     assert "saving checkpoint step_00000014 in the background" in text, text[-4000:]
     assert set(rank_exit_codes(text)) == {5}, text[-4000:]
     line = re.search(r"error: (rank 1 stopped: )?could not write checkpoint step_00000014.*", text)

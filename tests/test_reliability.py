@@ -119,6 +119,24 @@ class Job:
         self.proc.wait()
 
 
+def launch_with_file_limit(train_args: list[str], limit_files) -> str:
+    """A 2-rank trainer launch whose every process starts with `limit_files()` applied (an
+    RLIMIT_FSIZE: a disk that fills up); returns its output."""
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(free_port()), "training/train.py", *train_args]
+    p = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit_files,
+        start_new_session=True,
+    )
+    return p.stdout + p.stderr
+
+
 def rank_exit_codes(output: str) -> list[int]:
     """What torchrun's failure summary says each rank exited with."""
     return sorted(int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", output))
@@ -422,20 +440,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tiny_data, refere
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_port", str(free_port()), "training/train.py"]
-    cmd += args(tiny_data, out, steps=16)
-    p = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        preexec_fn=small_files,
-        start_new_session=True,
-    )
-    text = p.stdout + p.stderr
+    text = launch_with_file_limit(args(tiny_data, out, steps=16), small_files)
     # The limit also cuts DeepSpeed's shared-memory segments short: the all-reduce route must
     # see that and stay off (with a short segment its kernel faults).
     assert "world 2 (gloo) |" in text, text[-4000:]

@@ -132,12 +132,17 @@ def export_report(
         _copy_tokenizer(root.parent, state, tmp)
         _write_card(tmp, root.parent, tag, state, dtype)
         err, gen = verify_export(tmp, ids, ref_logits, ref_gen) if verify else (float("nan"), [])
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        tmp.rename(out)
+        _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Report(out, sorted(p.name for p in out.iterdir()), err, gen)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """The checked folder `tmp` becomes `out`, replacing what --overwrite allowed there."""
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    tmp.rename(out)
 
 
 def _load(root: Path, tag: str, state: dict, dtype: torch.dtype, merged: bool):
@@ -173,9 +178,7 @@ def _export_adapter(
         err, gen = float("nan"), []
         if verify:
             err, gen = verify_export(tmp, ids, ref_logits, ref_gen, base=state["base_model"])
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        tmp.rename(out)
+        _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Report(out, sorted(p.name for p in out.iterdir()), err, gen)
