@@ -18,6 +18,7 @@ from training.runtime.flops import (
     measure_flops,
     model_shapes,
     run_ceiling,
+    vendor_peak,
 )
 
 CPU, BF16 = torch.device("cpu"), torch.bfloat16
@@ -36,6 +37,17 @@ def test_peak_tflops_overrides_and_cpu_has_no_vendor_peak():
     assert ceiling.per_rank == 2.5e12 and ceiling.source == "--peak-tflops"
     assert "--peak-tflops" in ceiling.describe(BF16)
     assert ceiling_drift(ceiling, CPU, BF16) is None  # nothing measured: nothing to re-probe
+
+
+def test_a_known_gpu_gets_its_vendor_peak_by_its_product_name(monkeypatch):
+    """On a GPU the ceiling is the vendor's table, looked up by the product name torch's device
+    module gives (DeepSpeed's accelerator names only "cuda:0"; asking it for a product name
+    crashed every CUDA run at its first step). This host has no GPU: torch.cuda answers as an
+    H200's does."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    assert vendor_peak(torch.device("cuda", 0), BF16) == ("H200", 989e12)
+    assert vendor_peak(torch.device("cuda", 0), torch.float32) is None  # no tensor-core table
+    assert vendor_peak(CPU, BF16) is None
 
 
 def test_end_probe_warns_when_the_ceiling_moved():

@@ -204,11 +204,19 @@ def measure_rates(
     return rates
 
 
+def device_product_name(device: torch.device) -> str:
+    """The product name of an accelerator ("NVIDIA H200"), from torch's module for its type
+    (torch.cuda, torch.xpu, ...); DeepSpeed's accelerator names only the device ("cuda:0")."""
+    module = torch.get_device_module(device.type)
+    get = getattr(module, "get_device_name", None)
+    return get(device.index) if get else device.type
+
+
 def vendor_peak(device: torch.device, dtype: torch.dtype) -> tuple[str, float] | None:
     """(name, FLOP/s) from VENDOR_PEAKS for a known accelerator in bf16/fp16, else None."""
     if device.type == "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    name = accelerator().get_device_name(device.index)
+    name = device_product_name(device)
     return next(((key, peak) for key, peak in VENDOR_PEAKS if key in name), None)
 
 
