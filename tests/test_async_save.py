@@ -55,6 +55,27 @@ def test_the_background_writer_writes_what_the_tensors_held_when_it_was_called(t
     assert writer.staged_bytes == 10 * 4 + 3 * 4
 
 
+def test_the_next_save_copies_into_the_last_saves_buffers_and_writes_its_own_values(tmp_path):
+    """The staging buffers are kept between saves (no page faults, page-locked from an
+    accelerator): the second save reuses them and still writes what the tensors held then."""
+    flat = torch.arange(10.0)
+    sd = {"a": flat[:4], "b": flat[4:], "c": torch.ones(3)}
+    first = BackgroundWriter()
+    first.save(sd, tmp_path / "1.pt")
+    assert first.wait(60) and first.error is None
+    kept = {b.data_ptr() for _, b in first._buffers}
+    flat.add_(100)
+    second = BackgroundWriter()
+    second.save(sd, tmp_path / "2.pt")
+    flat.add_(100)  # after the copy: not in the second file
+    assert second.wait(60) and second.error is None
+    assert {b.data_ptr() for _, b in second._buffers} == kept
+    got = torch.load(tmp_path / "2.pt")
+    assert torch.equal(got["a"], torch.arange(4.0) + 100)
+    assert torch.equal(got["b"], torch.arange(4.0, 10.0) + 100)
+    assert torch.equal(torch.load(tmp_path / "1.pt")["a"], torch.arange(4.0))
+
+
 def test_a_failed_background_write_is_reported_not_raised(tmp_path):
     writer = BackgroundWriter()
     writer.save({"w": torch.ones(2)}, tmp_path / "no such folder" / "x.pt")

@@ -8,7 +8,10 @@ Training may change the live tensors as soon as `save` returns. `wait` says whet
 file is durable; an error in the thread is kept and reported there, never raised in it.
 
 The staging copy lives in host memory until its file is written: `staged_bytes` is what the
-memory plan counts for it (training/memory/plan.py, "staging")."""
+memory plan counts for it (training/memory/plan.py, "staging"). Its buffers are kept for the
+next save (a run saves the same shapes every time): a host copy then costs no page faults, and
+from an accelerator it is an asynchronous copy into page-locked memory, which the step's
+stream orders before any later write to the live tensors; the writer waits for it to land."""
 
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ from data.files import sha256_file
 
 _DONE = object()
 
+# The last finished save's staging buffers, by (device type, bytes): the next save copies into
+# them. Only one save's worth is kept, so the pool never holds more than the plan's "staging".
+_POOL: dict[tuple[str, int], list[torch.UntypedStorage]] = {}
+_POOL_LOCK = threading.Lock()
+
 
 class BackgroundWriter:
     def __init__(self) -> None:
@@ -34,6 +42,7 @@ class BackgroundWriter:
         self.started = time.monotonic()
         self.finished: float | None = None  # when the last file was durable
         self._queue: queue.Queue = queue.Queue()
+        self._buffers: list[tuple[tuple[str, int], torch.UntypedStorage]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="zerostack-ckpt-writer", daemon=True)
         self._thread.start()
@@ -51,7 +60,13 @@ class BackgroundWriter:
         memo: dict = {}
         staged = _stage(obj, memo)
         self.staged_bytes += sum(s.nbytes() for s in memo.values())
-        self._queue.put((staged, write, what))
+        self._buffers += [((k[0].type, k[2]), s) for k, s in memo.items()]
+        # copies from an accelerator are in flight on its stream: the thread waits for this
+        devices = {k[0] for k in memo if k[0].type != "cpu"}
+        landed = [torch.Event(device=d) for d in devices]
+        for e in landed:
+            e.record()
+        self._queue.put((staged, write, what, landed))
 
     def close(self) -> None:
         """No more files for this save: the thread ends after the last one."""
@@ -78,11 +93,14 @@ class BackgroundWriter:
             item = self._queue.get()
             if item is _DONE:
                 self.finished = time.monotonic()
+                _keep_for_next_save(self._buffers)
                 return
             if self.error:  # one failed file fails the save; the rest are not written
                 continue
-            staged, write, what = item
+            staged, write, what, landed = item
             try:
+                for e in landed:
+                    e.synchronize()
                 for path in write(staged):
                     path = Path(path)
                     fd = os.open(path, os.O_RDONLY)
@@ -95,6 +113,27 @@ class BackgroundWriter:
                 self.error = f"{what}: {type(e).__name__}: {e}"
             finally:
                 del staged, item
+
+
+def _buffer(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A host buffer of the storage's size: the last save's, else a new one (page-locked when
+    the storage is on an accelerator, so the copy runs asynchronously at full speed)."""
+    with _POOL_LOCK:
+        free = _POOL.get((storage.device.type, storage.nbytes()))
+        if free:
+            return free.pop()
+    pinned = storage.device.type != "cpu"
+    return torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+
+
+def _keep_for_next_save(buffers: list[tuple[tuple[str, int], torch.UntypedStorage]]) -> None:
+    """This save's buffers replace the pool (older leftovers are freed)."""
+    pool: dict = {}
+    for key, buf in buffers:
+        pool.setdefault(key, []).append(buf)
+    with _POOL_LOCK:
+        _POOL.clear()
+        _POOL.update(pool)
 
 
 def _stage(obj, memo: dict):
@@ -115,7 +154,8 @@ def _stage(obj, memo: dict):
         storage = obj.untyped_storage()
         key = (storage.device, storage.data_ptr(), storage.nbytes())
         if key not in memo:
-            memo[key] = storage.cpu() if storage.device.type != "cpu" else storage.clone()
+            memo[key] = _buffer(storage)
+            memo[key].copy_(storage, non_blocking=True)  # from an accelerator: in flight
         copy = torch.empty(0, dtype=obj.dtype)
         copy.set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
         return copy
