@@ -1,9 +1,9 @@
 """Time and peak memory of universal conversion and Hugging Face export on a real checkpoint.
 
-    python benchmarks/bench_checkpoints.py --data DATA_DIR --preset 125M [--config zero2] [--ranks 2]
+    python -m benchmarks.bench_checkpoints --data DATA_DIR --preset 125M [--config zero2] [--ranks 2]
 
 Trains the preset for one step (seq 32, micro 1) with the given DeepSpeed config and saves, then
-runs each tool in a process of its own under GNU time (wall seconds, peak RSS):
+runs each tool in a process of its own timed (wall seconds, peak RSS):
 
     zerostack universal   python -m training.universal RUN --force
     ds_to_universal       DeepSpeed's converter (1 extract and 1 merge worker), for comparison
@@ -13,7 +13,7 @@ runs each tool in a process of its own under GNU time (wall seconds, peak RSS):
 The figure of merit is peak RSS over the fp32 weight size (4 bytes a parameter), shown raw and
 with the imports-only baseline taken off (what the tool itself holds). Prints a markdown table.
 
-    python benchmarks/bench_checkpoints.py --data DATA_DIR --preset 125M --stall [--steps 6]
+    python -m benchmarks.bench_checkpoints --data DATA_DIR --preset 125M --stall [--steps 6]
 
 The training stall per save instead: the same run (seq 32, micro 1, a save every 2 steps;
 `--seq-len`, `--micro-batch` and `--save-every` change them, so that saves can come further apart
@@ -21,7 +21,7 @@ than a background write takes) with synchronous saves and with --async-save. Fro
 was blocked per save (the "checkpoint" records' stall_s; for a background save the host copy,
 its seal comes at a later boundary and is counted too), the background write time, the step
 time of the steps a background write overlapped against the others, and each run's peak RSS
-(the largest rank, GNU time). Prints a markdown table with the host class and writes the raw
+(the largest rank). Prints a markdown table with the host class and writes the raw
 numbers to benchmarks/results/checkpoint_stall.json (checkpoint_stall_PRESET_CONFIG.json
 with other settings), with the load average before and after each run.
 """
@@ -37,43 +37,26 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import host
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
 def timed(cmd: list[str], workdir: Path) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of cmd, measured by GNU time."""
-    out = workdir / "time.txt"
-    p = subprocess.run(
-        ["/usr/bin/time", "-f", "%e %M", "-o", str(out), *cmd],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-    wall, kb = out.read_text().split()[-2:]
-    return float(wall), int(kb) * 1024
-
-
-def host_class() -> str:
-    import torch
-
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("\n")
-            if line.startswith("Model name")
-        ),
-        "?",
-    )
-    return f"{model}, {os.cpu_count()} cores, torch {torch.backends.cpu.get_cpu_capability()}"
+    """(wall seconds, peak RSS bytes) of cmd; its output is shown only when it fails."""
+    log = workdir / "cmd.log"
+    with log.open("w") as f:
+        wall, rss, rc = host.timed(cmd, REPO, stdout=f, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{log.read_text()[-5000:]}")
+    return wall, rss
 
 
 def stall(args, work: Path) -> int:
     """Sync vs --async-save: the loop's stall per save, the write time, the overlapped steps."""
     results = {}
-    for mode in ("sync", "async"):
+    for mode in args.modes.split(","):
         run = work / mode
         shutil.rmtree(run, ignore_errors=True)
         train = [
@@ -112,9 +95,9 @@ def stall(args, work: Path) -> int:
             "step_s_after_save": sum(overlapped) / len(overlapped) if overlapped else None,
             "step_s_other": sum(others) / len(others) if others else None,
         }
-    n_params = json.loads((work / "sync" / "resolved_config.json").read_text())["n_params"]
+    n_params = json.loads((run / "resolved_config.json").read_text())["n_params"]
     out = {
-        "host": host_class(),
+        "host": host.host_class(),
         "preset": args.preset,
         "n_params": n_params,
         "config": args.config,
@@ -166,6 +149,7 @@ def main() -> int:
     a.add_argument("--workdir", default=None, help="default: a temporary folder, removed after")
     a.add_argument("--stall", action="store_true", help="sync vs --async-save stall per save")
     a.add_argument("--steps", type=int, default=6, help="--stall: steps per run")
+    a.add_argument("--modes", default="sync,async", help="--stall: which saves to run")
     a.add_argument("--save-every", type=int, default=2, help="--stall: steps between saves")
     a.add_argument("--seq-len", type=int, default=32, help="--stall: tokens per sample")
     a.add_argument("--micro-batch", type=int, default=1, help="--stall: samples per rank and step")

@@ -20,4 +20,21 @@ def host_class() -> str:
     held = [f"{k}={os.environ[k]}" for k in EMULATION_VARS if os.environ.get(k)]
     bf16 = "yes" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
     line = f"{cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, bf16 units {bf16}"
-    return line + (f" (emulated: {' '.join(held)})" if held else "")
+    line += f" (emulated: {' '.join(held)})" if held else ""
+    if torch.cuda.is_available():  # a GPU host: the CPU alone does not say what ran
+        line += f"; {torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
+    return line
+
+
+def timed(cmd: list[str], cwd, stdout=None, stderr=None) -> tuple[float, int, int]:
+    """(wall seconds, peak RSS bytes, exit code) of cmd. The peak is the kernel's ru_maxrss of
+    the child as wait4 reports it: the largest resident set of the process or any descendant it
+    waited for (the ranks under a launcher), what GNU time's %M reads, without needing it."""
+    import subprocess
+    import time
+
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, cwd=cwd, stdout=stdout, stderr=stderr)
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return time.monotonic() - t0, usage.ru_maxrss * 1024, p.returncode

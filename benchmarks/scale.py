@@ -20,7 +20,7 @@ on 2 ranks of this machine, micro-batch 1. For each row:
 4. resume: the same command with one more step; its time to the end of its first step beside
    the fresh run's (the difference is loading the checkpoint).
 5. universal conversion and export (fp32, with the reload check), each a process of its own
-   under GNU time (wall seconds, peak RSS).
+   timed (wall seconds, peak RSS).
 
 Results go to benchmarks/results/scale.json (one entry a row, rows re-run replace theirs), each
 with the plan made before it ran, the code it ran on (commit and fingerprints), the host's
@@ -45,6 +45,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks import scale_doc
+from benchmarks.host import timed as host_timed
 from benchmarks.provenance import busy_cpu_seconds, code_record, host_record
 
 REPO = Path(__file__).resolve().parent.parent
@@ -175,16 +176,12 @@ def folder_bytes(folder: Path) -> int:
 
 
 def timed(cmd: list[str], log: Path) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of cmd, measured by GNU time."""
-    out = log.with_suffix(".time")
+    """(wall seconds, peak RSS bytes) of cmd, its output in `log`."""
     with log.open("w") as f:
-        p = subprocess.run(
-            ["/usr/bin/time", "-f", "%e %M", "-o", str(out), *cmd], cwd=REPO, stdout=f, stderr=f
-        )
-    if p.returncode != 0:
+        wall, rss, rc = host_timed(cmd, REPO, stdout=f, stderr=f)
+    if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed; see {log}")
-    wall, kb = out.read_text().split()[-2:]
-    return float(wall), int(kb) * 1024
+    return wall, rss
 
 
 # ------------------------------------------------------------------------------ one row
