@@ -1,10 +1,12 @@
-"""Small file helpers the data and checkpoint writers share: streaming checksums, and telling a
-partial folder of a writer that died from one still being written."""
+"""Small file helpers the data and checkpoint writers share: streaming checksums, and the hidden
+folder a writer fills before publishing it, told apart from one a dead writer left."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import socket
 from pathlib import Path
 
 
@@ -30,3 +32,19 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True  # no /proc (macOS): kill(0) is all we know
     return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def scratch_folder(out: Path) -> Path:
+    """A fresh hidden folder beside `out` to write it in, `.NAME.partial-HOST-PID`, published by
+    renaming it to `out` once complete. Folders left for the same `out` by writers on this host
+    whose process is gone (killed, crashed) are deleted first; a live writer's, or another
+    host's on a shared disk, are left alone."""
+    mine = f".{out.name}.partial-{socket.gethostname()}-"
+    for p in out.parent.glob(f"{mine}*"):
+        pid = p.name.removeprefix(mine)
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+    tmp = out.parent / f"{mine}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp

@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from data.files import pid_alive
+from data.files import scratch_folder
 from data.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -145,10 +145,7 @@ def prepare(
     if next(_documents(src, max_docs), None) is None:
         raise DataError(f"empty corpus: {source} yields no non-empty documents")
 
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    _remove_stale_partials(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = scratch_folder(out)
     try:
         tok_dir = tmp / TOKENIZER_DIR
         if tokenizer is None:
@@ -250,10 +247,7 @@ def _prepare_chat(
     if _reuse(out, args) is not None:
         _log(progress, f"reusing {out}: already prepared with the same arguments")
         return out
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    _remove_stale_partials(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = scratch_folder(out)
     try:
         tok_dir = tmp / TOKENIZER_DIR
         copy_hf_tokenizer(tokenizer, tok_dir, chat_template=template)
@@ -362,14 +356,6 @@ def _auto_val_fraction(out: Path, source, max_docs: int | None, chat: bool) -> f
     if max_docs is not None:
         count = min(count, max_docs) if count else max_docs
     return auto_val_fraction(count)
-
-
-def _remove_stale_partials(out: Path) -> None:
-    """Delete partial folders left by killed runs (their process is gone) for the same --out."""
-    for p in out.parent.glob(f".{out.name}.partial-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def _publish(tmp: Path, out: Path, args: dict[str, Any]) -> None:

@@ -66,6 +66,31 @@ def test_the_run_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path)
         runlock.acquire(run, said.append)
 
 
+def test_a_dead_writers_scratch_folder_goes_a_live_or_remote_ones_stays(tmp_path):
+    """Every writer that publishes by rename (data.prepare, export, universal copies, the
+    evaluation's export) fills `.NAME.partial-HOST-PID` first. A kill leaves it behind (SIGKILL
+    and PDEATHSIG skip `finally`); the next writer of the same NAME deletes it once its process
+    is gone, and never touches a live writer's or another host's (a shared disk)."""
+    from data.files import scratch_folder
+
+    out = tmp_path / "step_00000010"
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = {
+        "dead": tmp_path / f".step_00000010.partial-{host}-{dead.pid}",
+        "live": tmp_path / f".step_00000010.partial-{host}-{os.getppid()}",
+        "remote": tmp_path / f".step_00000010.partial-{host}x-{dead.pid}",
+        "other": tmp_path / f".step_00000020.partial-{host}-{dead.pid}",
+    }
+    for d in left.values():
+        (d / "model.safetensors").parent.mkdir(parents=True)
+    tmp = scratch_folder(out)
+    assert tmp.is_dir() and tmp.name == f".step_00000010.partial-{host}-{os.getpid()}"
+    assert not left["dead"].exists()
+    assert all(left[k].exists() for k in ("live", "remote", "other"))
+
+
 def test_a_data_folder_is_never_a_run_folder(tiny_data):
     before = hashes(tiny_data)
     with pytest.raises(ConfigError, match="is a data folder"):

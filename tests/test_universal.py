@@ -128,7 +128,7 @@ def test_conversion_is_made_once_and_cached(runs):
     assert (u / "zero" / "optimizer_state.pt").is_file()
     # the copy is not a checkpoint tag: resume and export never pick it as "latest"
     assert "step_00000003_universal" not in ckpt.complete_tags(root)
-    assert not list(root.glob(".*tmp*"))
+    assert not list(root.glob(".*partial*"))
 
 
 def test_a_crash_never_leaves_a_copy_that_looks_valid(runs, tmp_path):
@@ -137,14 +137,14 @@ def test_a_crash_never_leaves_a_copy_that_looks_valid(runs, tmp_path):
     # a crashed conversion's leftovers: a hidden temporary folder, and a copy of an older save;
     # a conversion still running elsewhere (a live process) keeps its folder
     host = socket.gethostname()
-    crashed = root / f".step_00000002_universal.tmp-{host}-{_dead_pid()}"
-    running = root / f".step_00000002_universal.tmp-{host}-{os.getppid()}"
+    crashed = root / f".step_00000002_universal.partial-{host}-{_dead_pid()}"
+    running = root / f".step_00000002_universal.partial-{host}-{os.getppid()}"
     for d in (crashed, running):
         (d / "zero").mkdir(parents=True)
     stale = root / "step_00000002_universal"
     shutil.copytree(runs["ref"] / "checkpoints" / "step_00000003_universal", stale)
     assert ensure(root, "step_00000002", log=lambda m: None) == "step_00000002_universal"
-    assert list(root.glob(".*tmp*")) == [running]
+    assert list(root.glob(".*partial*")) == [running]
     shutil.rmtree(running)
     assert_same_state(root / "step_00000002", stale)  # re-made from step 2, not kept from 3
 
@@ -165,7 +165,7 @@ def test_a_crash_never_leaves_a_copy_that_looks_valid(runs, tmp_path):
     ckpt.write_listing(root / "step_00000002")  # re-seal, so only the conversion can notice
     with pytest.raises(CheckpointError, match="unreadable"):
         ensure(root, "step_00000002", log=lambda m: None)
-    assert not stale.exists() and not list(root.glob(".*tmp*"))
+    assert not stale.exists() and not list(root.glob(".*partial*"))
 
 
 def test_resume_rules_and_flag(runs, tiny_data, tmp_path, capsys):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging
 
+from data.files import scratch_folder
 from models import ZeroStackForCausalLM
 from models.hf_adapter import to_llama_config, to_llama_state_dict
 from models.lora import adapter_state_dict, lora_config, parse_lora, to_llama_adapter
@@ -118,9 +118,7 @@ def export_report(
             model, root, tag, state, out, torch_dtype, verify, ids, ref_logits, ref_gen
         )
 
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = scratch_folder(out)
     try:
         if ours:
             _save_llama_streaming(model, config, tmp, torch_dtype, shard_bytes)
@@ -168,9 +166,7 @@ def _export_adapter(
 ) -> Report:
     """The adapter folder (adapter_config.json, adapter_model.safetensors, the tokenizer) for
     `PeftModel.from_pretrained(base, folder)`, verified on the run's base model."""
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = scratch_folder(out)
     try:
         save_adapter(model, state, tmp, dtype)
         del model

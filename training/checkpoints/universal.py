@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from data.files import pid_alive
+from data.files import scratch_folder
 from models.pipeline import pipeline_state_dict_to_model
 from training.checkpoints import layout as ckpt
 from training.checkpoints.layout import UNIVERSAL_SUFFIX
@@ -159,12 +157,7 @@ def ensure(root: Path, tag: str, *, force: bool = False, log=print) -> str:
         log(f"universal: reusing {dst}")
         return utag
     ckpt.verify(src)
-    host = socket.gethostname()
-    for stale in root.glob(f".{utag}.tmp-*"):  # left by a crashed conversion on this host
-        other_host, _, pid = stale.name.rpartition("-")
-        if other_host.endswith(f"tmp-{host}") and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".{utag}.tmp-{host}-{os.getpid()}"
+    tmp = scratch_folder(dst)
     t0 = time.perf_counter()
     try:
         n = convert(src, tmp)

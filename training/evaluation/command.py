@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.files import scratch_folder
 from training.checkpoints import layout as ckpt
 from training.errors import BAD_INPUT, CheckpointError, EvalError, ExportError
 from training.evaluation import harness
@@ -135,7 +136,8 @@ def _main(a) -> int:
     if target.run_dir is not None:
         near = target.run_dir / "eval"
         near.mkdir(exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".export-", dir=near))
+    # named after this process, so that the next evaluation can tell a killed one's leftovers
+    work = scratch_folder(near / "export") if near else Path(tempfile.mkdtemp(prefix="export-"))
     try:
         local = write_local_tasks(work / "tasks", HeldOut.of_data(a.data or target.data_dir))
         tm = harness.task_manager(names, [local, *includes])

@@ -319,6 +319,15 @@ def model_state_placement(
             per["grads"]["host"] = 0
             held = NVME_SUB_GROUP_EXTRA * sub + NVME_FIXED + NVME_PER_PARAM * n_train / dp
             per["optimizer"]["host"] = count * 4 * sub + held
+    if off_opt != "none" and stage in (1, 2):
+        # DeepSpeed's gradient staging for the host's step (stage_1_and_2.py): one buffer of the
+        # largest parameter on the host and one on the device, and with accumulation a
+        # host copy of every gradient this rank's partition touches, kept between micro-steps
+        largest = w * (shape.largest_layer if shape.trainable is None else 0)
+        per["grads"]["host"] += largest
+        per["grads"]["device"] += largest
+        if _int(ds_cfg.get("gradient_accumulation_steps"), 1) > 1:
+            per["grads"]["host"] += w * n_train / dp
     if off_par in ("cpu", "nvme") and stage == 3:
         per["params"]["device"] = w * shape.largest_layer  # one gathered module at a time
         if off_par == "cpu":

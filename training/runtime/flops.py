@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from training.runtime import distributed
-from training.runtime.distributed import accelerator
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) by a substring of the device name, most specific
 # first; the figures torchtitan uses (vendor datasheets, no sparsity).
