@@ -48,6 +48,22 @@ def code_record() -> dict:
     }
 
 
+def changed_files(stored: dict | None) -> list[str]:
+    """The files under the described folders that differ now from the stored commit's (git),
+    so that a reader can judge whether a change since could touch the row."""
+    commit = (stored or {}).get("commit")
+    if not commit:
+        return []
+    tops = sorted({t for ts in DESCRIBED.values() for t in ts})
+    p = subprocess.run(
+        ["git", "diff", "--name-only", commit, "--", *tops],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    return p.stdout.split() if p.returncode == 0 else []
+
+
 def changed_parts(stored: dict | None) -> list[str] | None:
     """The described parts whose code changed since `stored` (a code_record()), [] when none;
     None when the row has no record (it predates them)."""

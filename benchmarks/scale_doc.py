@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.provenance import changed_parts, mfu_distrust
+from benchmarks.provenance import changed_files, changed_parts, mfu_distrust
 
 GiB = 2**30
 GOAL = 0.15  # measured within 15% of the plan made before the run
@@ -202,6 +202,14 @@ def aged(rows: list[dict]) -> str:
     bits = []
     if older:
         bits.append(f"{', '.join(f'`{x}`' for x in older)} (the trainer or planner changed since)")
+        by_commit = {}
+        for r in rows:
+            if r["row"] in older:
+                by_commit.setdefault(r["code"].get("commit") or "", r["code"])
+        for commit, code in by_commit.items():
+            files = changed_files(code)
+            if files:  # what changed, so that a reader can judge whether it touches the rows
+                bits.append(f"changed since {commit[:7]}: " + ", ".join(f"`{f}`" for f in files))
     if none:
         bits.append(
             f"{len(none)} rows measured before rows recorded their code (treat them as older): "

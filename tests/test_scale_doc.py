@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 
 from benchmarks import scale, scale_doc
-from benchmarks.provenance import BUSY_SHARE, changed_parts, code_record, mfu_distrust
+from benchmarks.provenance import BUSY_SHARE, REPO, changed_parts, code_record, mfu_distrust
 
 
 def committed() -> dict:
@@ -77,3 +78,10 @@ def test_a_row_says_when_the_code_it_describes_has_changed():
     cells = row_line(table, "350M:zero2:1024")
     assert "older (planner changed)" in table and "30.0%" in cells
     assert "Rows older than the code they describe**: `350M:zero2:1024`" in table
+    # and what changed since the row's commit, for the reader to judge (the first commit here)
+    first = subprocess.run(
+        ["git", "rev-list", "--max-parents=0", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.split()
+    if first:
+        r["code"]["commit"] = first[0]
+        assert "`training/train.py`" in scale_doc.render({r["row"]: r})
