@@ -1,9 +1,11 @@
-"""The host class a benchmark ran on: a figure without it means nothing (the same job runs 20x
-apart on CPUs with and without bf16 units)."""
+"""The host class a benchmark ran on (a figure without it means nothing: the same job runs 20x
+apart on CPUs with and without bf16 units), and a command's wall time and peak memory on it."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 
 import torch
 
@@ -30,9 +32,6 @@ def timed(cmd: list[str], cwd, stdout=None, stderr=None) -> tuple[float, int, in
     """(wall seconds, peak RSS bytes, exit code) of cmd. The peak is the kernel's ru_maxrss of
     the child as wait4 reports it: the largest resident set of the process or any descendant it
     waited for (the ranks under a launcher), what GNU time's %M reads, without needing it."""
-    import subprocess
-    import time
-
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, cwd=cwd, stdout=stdout, stderr=stderr)
     _, status, usage = os.wait4(p.pid, 0)
