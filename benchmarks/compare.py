@@ -413,16 +413,13 @@ def machine() -> str:
     import deepspeed
     import torch
 
-    from benchmarks.host import host_class
+    from benchmarks.host import accelerators, host_class
 
-    cpu = host_class()
-    return (
-        f"{cpu}, {os.cpu_count()} cores, no GPU (gloo), torch {torch.__version__}, "
-        f"deepspeed {deepspeed.__version__}"
-        if not torch.cuda.is_available()
-        else f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, "
-        f"torch {torch.__version__}, deepspeed {deepspeed.__version__}"
-    )
+    versions = f"torch {torch.__version__}, deepspeed {deepspeed.__version__}"
+    gpus = accelerators()
+    if gpus:
+        return f"{gpus}, {versions}"
+    return f"{host_class()}, {os.cpu_count()} cores, no GPU (gloo), {versions}"
 
 
 def _mib(b) -> str:

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from training.runtime.flops import cpu_name
+from training.runtime.flops import cpu_name, device_product_name
 
 # What holds a CPU's kernels below its hardware: ATen's dispatch level and oneDNN's ISA (how an
 # AVX2-only host is emulated on a newer one)
@@ -23,9 +23,16 @@ def host_class() -> str:
     bf16 = "yes" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
     line = f"{cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, bf16 units {bf16}"
     line += f" (emulated: {' '.join(held)})" if held else ""
-    if torch.cuda.is_available():  # a GPU host: the CPU alone does not say what ran
-        line += f"; {torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
-    return line
+    gpus = accelerators()  # a GPU host: the CPU alone does not say what ran
+    return f"{line}; {gpus}" if gpus else line
+
+
+def accelerators() -> str | None:
+    """ "1x NVIDIA H200": this host's accelerators, by product name; None on a CPU-only host."""
+    if not torch.accelerator.is_available():
+        return None
+    device = torch.accelerator.current_accelerator()
+    return f"{torch.accelerator.device_count()}x {device_product_name(device)}"
 
 
 def timed(cmd: list[str], cwd, stdout=None, stderr=None) -> tuple[float, int, int]:

@@ -17,6 +17,7 @@ DESCRIBED = {
     "trainer": ("training", "models", "ds_configs"),
     "planner": ("training/memory", "ds_configs"),
 }
+ALL_DESCRIBED = sorted({top for tops in DESCRIBED.values() for top in tops})
 # Other work on the host, in busy cores, above this share of its cores: the row's speed and its
 # ceiling probe shared the machine, and its MFU is not shown.
 BUSY_SHARE = 0.25
@@ -32,18 +33,17 @@ def fingerprint(tops: tuple[str, ...]) -> str:
     return h.hexdigest()[:16]
 
 
+def _git(*args: str) -> str:
+    p = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return p.stdout.strip() if p.returncode == 0 else ""
+
+
 def code_record() -> dict:
     """{commit, dirty (uncommitted changes under the described folders), one fingerprint a
     part}: the code a row is measured with."""
-    tops = sorted({t for ts in DESCRIBED.values() for t in ts})
-
-    def git(*args: str) -> str:
-        p = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
-        return p.stdout.strip() if p.returncode == 0 else ""
-
     return {
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--", *tops)),
+        "commit": _git("rev-parse", "HEAD") or None,
+        "dirty": bool(_git("status", "--porcelain", "--", *ALL_DESCRIBED)),
         **{part: fingerprint(tops) for part, tops in DESCRIBED.items()},
     }
 
@@ -52,16 +52,7 @@ def changed_files(stored: dict | None) -> list[str]:
     """The files under the described folders that differ now from the stored commit's (git),
     so that a reader can judge whether a change since could touch the row."""
     commit = (stored or {}).get("commit")
-    if not commit:
-        return []
-    tops = sorted({t for ts in DESCRIBED.values() for t in ts})
-    p = subprocess.run(
-        ["git", "diff", "--name-only", commit, "--", *tops],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    return p.stdout.split() if p.returncode == 0 else []
+    return _git("diff", "--name-only", commit, "--", *ALL_DESCRIBED).split() if commit else []
 
 
 def changed_parts(stored: dict | None) -> list[str] | None:
