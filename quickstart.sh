@@ -18,10 +18,10 @@ echo "== 1/4 prepare the built-in corpus -> $DATA"
 $PY -m data.prepare --source pystdlib --out "$DATA" --vocab-size 8192 --num-proc 2
 
 echo "== 2/4 train: small preset, ds_configs/zero2.json, $RANKS ranks, precision auto, $STEPS steps -> $RUN"
+# The job is the run file examples/quickstart.yaml; the flags given override it.
 .venv/bin/deepspeed --num_gpus "$RANKS" --master_port "${MASTER_PORT:-29510}" training/train.py \
-  --ds_config ds_configs/zero2.json --data "$DATA" --model small --out "$RUN" \
-  --steps "$STEPS" --seq-len 256 --micro-batch "${MICRO_BATCH:-4}" --lr 2e-3 --warmup 20 \
-  --log-every 10 --eval-every 50 --save-every 50
+  --config examples/quickstart.yaml --data "$DATA" --out "$RUN" \
+  --steps "$STEPS" --micro-batch "${MICRO_BATCH:-4}"
 
 echo "== 3/4 export to a Hugging Face folder -> $RUN/hf"
 $PY -m training.export "$RUN" --out "$RUN/hf" --overwrite

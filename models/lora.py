@@ -40,6 +40,11 @@ class LoraSpec:
     def as_record(self) -> dict:
         return asdict(self) | {"targets": list(self.targets)}
 
+    def as_text(self) -> str:
+        """The --lora text that parses back to this spec."""
+        text = f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g}"
+        return text + (f",targets={','.join(self.targets)}" if self.targets else "")
+
 
 def parse_lora(text: str) -> LoraSpec:
     """'r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj' -> LoraSpec; a word without '=' after

@@ -29,6 +29,21 @@ def train_args(args: list[str], script: str, as_shipped: bool = False) -> list[s
     return args if as_shipped or not trains or said else [*args, NO_COMPILE]
 
 
+def sections(**values) -> dict:
+    """ds_config.resolve's keyword sections from settings named as flags (micro_batch=2,
+    backend="ddp", activation_checkpointing=True): the run's optim and engine sections."""
+    from training.settings.config import EngineConfig, OptimConfig
+
+    optim = {k: v for k, v in values.items() if k in OptimConfig.__dataclass_fields__}
+    engine = {k: v for k, v in values.items() if k in EngineConfig.__dataclass_fields__}
+    out = {"optim": OptimConfig(**optim), "engine": EngineConfig(**engine)}
+    if "activation_checkpointing" in values:
+        out["activation_checkpointing"] = values["activation_checkpointing"]
+    unknown = set(values) - set(optim) - set(engine) - {"activation_checkpointing"}
+    assert not unknown, f"not an optim or engine setting: {unknown}"
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

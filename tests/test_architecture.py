@@ -514,17 +514,8 @@ def test_nothing_below_preflight_reads_the_environment_to_choose_behaviour():
 
 def test_every_flag_is_in_the_settings_reference():
     """docs/settings.md lists every flag of the trainer (the reference a user reads)."""
-    from dataclasses import fields
-
-    from training.settings.flags import Settings
+    from training.settings.config import settings
 
     text = (REPO / "docs" / "settings.md").read_text()
-    hidden = {f.name for f in fields(Settings) if f.metadata.get("hidden")}
-    missing = [
-        f.name
-        for f in fields(Settings)
-        if f.name not in hidden
-        and f"--{f.name.replace('_', '-')}" not in text
-        and not any(f"--{a.lstrip('-')}" in text for a in f.metadata.get("aliases", ()))
-    ]
+    missing = [s.flag for s in settings() if not s.hidden and f"`{s.flag}" not in text]
     assert not missing, f"flags missing from docs/settings.md: {missing}"

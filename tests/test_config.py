@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import sections
 
 from training.settings import ds_config as C
 from training.settings import parallel
@@ -11,7 +12,8 @@ FLAGS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0
 
 
 def resolve(cfg, world=2, **flags):
-    return C.resolve(cfg, world=world, flags={**FLAGS, **flags}, hidden_size=64, source="t.json")
+    kw = sections(**{**FLAGS, **flags})
+    return C.resolve(cfg, world=world, **kw, hidden_size=64, source="t.json")
 
 
 def test_every_shipped_config_resolves_with_no_auto_left(tmp_path):
@@ -142,12 +144,12 @@ def test_auto_reduce_bucket_stays_under_the_mmap_threshold_on_cpu(name, device, 
     raw = C.load_json(C.Path(__file__).parent.parent / "ds_configs" / name)
     raw.setdefault("zero_optimization", {})["reduce_bucket_size"] = "auto"
     flags = {**FLAGS, "micro_batch": 2}
-    out = C.resolve(raw, world=2, flags=flags, hidden_size=384, device_type=device)
+    out = C.resolve(raw, world=2, **sections(**flags), hidden_size=384, device_type=device)
     bucket = out["zero_optimization"]["reduce_bucket_size"]
     if itemsize is None:
         assert bucket == 50_000_000
     else:
         assert C.CPU_BUCKET_BYTES - itemsize < bucket * itemsize <= C.CPU_BUCKET_BYTES < 2**25
     raw["zero_optimization"]["reduce_bucket_size"] = 123_456_789  # a given value is kept
-    out = C.resolve(raw, world=2, flags=flags, hidden_size=384, device_type=device)
+    out = C.resolve(raw, world=2, **sections(**flags), hidden_size=384, device_type=device)
     assert out["zero_optimization"]["reduce_bucket_size"] == 123_456_789

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from training.settings.flags import Settings, parser
+from training.settings.config import flat
+from training.settings.flags import parse, parser
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--data", "D", "--out", "O"]
@@ -29,12 +30,12 @@ BASE = ["--data", "D", "--out", "O"]
     ],
 )
 def test_config_flag_spellings(argv):
-    assert Settings.parse([*BASE, *argv]).ds_config == "c.json"
+    assert parse([*BASE, *argv]).engine.ds_config == "c.json"
 
 
 def test_two_different_configs_refused(capsys):
     with pytest.raises(SystemExit) as e:
-        Settings.parse([*BASE, "--deepspeed", "a.json", "--ds-config", "b.json"])
+        parse([*BASE, "--deepspeed", "a.json", "--ds-config", "b.json"])
     assert e.value.code == 2
     assert "the DeepSpeed config is already a.json" in capsys.readouterr().err
 
@@ -42,7 +43,7 @@ def test_two_different_configs_refused(capsys):
 @pytest.mark.parametrize("argv", [["--ste", "5"], ["--deepspeed_conf", "c.json"], ["--wand"]])
 def test_no_prefix_matching(capsys, argv):
     with pytest.raises(SystemExit) as e:
-        Settings.parse([*BASE, *argv])
+        parse([*BASE, *argv])
     assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
@@ -69,15 +70,15 @@ HF = {
 @pytest.mark.parametrize("flag", sorted(HF))
 def test_hf_trainer_spellings(flag):
     dest, text, value = HF[flag]
-    s = Settings.parse([*BASE, flag, text])
-    assert getattr(s, dest) == (text if value is None else value)
+    s = parse([*BASE, flag, text])
+    assert flat(s)[dest] == (text if value is None else value)
 
 
 @pytest.mark.parametrize(
     "value,wandb", [("wandb", True), ("all", True), ("tensorboard", False), ("none", False)]
 )
 def test_report_to(value, wandb):
-    assert Settings.parse([*BASE, "--report_to", value]).wandb is wandb
+    assert parse([*BASE, "--report_to", value]).logging.wandb is wandb
 
 
 def test_help_says_keep_last_zero_keeps_all():
@@ -85,8 +86,8 @@ def test_help_says_keep_last_zero_keeps_all():
 
 
 def test_new_flags_declared():
-    s = Settings.parse([*BASE, "--wandb-project", "p", "--run-name", "r"])
-    assert (s.wandb_project, s.run_name) == ("p", "r")
+    s = parse([*BASE, "--wandb-project", "p", "--run-name", "r"])
+    assert (s.logging.wandb_project, s.logging.run_name) == ("p", "r")
 
 
 def _options() -> set[str]:
@@ -151,5 +152,5 @@ def test_deepspeed_form_in_a_real_process(tmp_path):
 
 def test_report_to_none_contradicting_wandb(capsys):
     with pytest.raises(SystemExit) as e:
-        Settings.parse([*BASE, "--wandb", "--report_to", "none"])
+        parse([*BASE, "--wandb", "--report_to", "none"])
     assert e.value.code == 2 and "contradicts --wandb" in capsys.readouterr().err

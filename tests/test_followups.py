@@ -184,20 +184,20 @@ def test_background_work_that_does_not_fit_beside_the_ranks_is_refused(tiny_data
     from training.memory import plan
     from training.preflight import prepare_run
     from training.preflight.followups import BYTES_PER_PARAM
-    from training.settings.flags import Settings
+    from training.settings import flags as cli
 
     argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "125M"]
     argv += ["--seq-len", "512", "--micro-batch", "1", "--precision", "fp32"]
-    prepared = prepare_run(Settings.parse(argv), world=2)
+    prepared = prepare_run(cli.parse(argv), world=2)
     p = plan.plan(
         prepared.shape, prepared.ds_config, 2, seq_len=512, ranks_per_host=2, device_type="cpu"
     )
     need = 2 * (p.total("device") + p.total("host"))
     spare = BYTES_PER_PARAM * prepared.shape.params / 2  # room for half the job
     host = f"{(need + spare) / plan.HEADROOM / 2**30:.4f}"
-    prepare_run(Settings.parse([*argv, "--host-mem-gib", host]), world=2)
+    prepare_run(cli.parse([*argv, "--host-mem-gib", host]), world=2)
     with pytest.raises(ConfigError) as e:
-        prepare_run(Settings.parse([*argv, "--host-mem-gib", host, "--export-every", "100"]), 2)
+        prepare_run(cli.parse([*argv, "--host-mem-gib", host, "--export-every", "100"]), 2)
     line = str(e.value)
     assert "\n" not in line and "does not fit on rank 0's host" in line, line
     assert "drop --export-every, --universal-every and --eval-tasks" in line

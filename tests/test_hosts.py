@@ -51,11 +51,11 @@ def test_preflight_reads_the_layout_from_the_launcher(monkeypatch):
     Host says 2 here, which the one-host holds and the shm route are decided on
     (test_switches.py: two_hosts)."""
     from training.preflight.switches import this_host
-    from training.settings.flags import Settings
+    from training.settings import flags as cli
 
     for name in LAUNCHERS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_SIZE", "2")
-    settings = Settings.parse(["--data", "d", "--out", "o"])
+    settings = cli.parse(["--data", "d", "--out", "o"])
     host = this_host(settings, "cpu", 4)
     assert (host.ranks_here, host.launcher, host.world) == (2, "deepspeed", 4)

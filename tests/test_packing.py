@@ -75,7 +75,7 @@ def test_an_eos_inside_examples_refuses_packing_in_one_line(tiny_data, tmp_path)
     from data import prepare
     from training.errors import ConfigError
     from training.preflight import prepare_run
-    from training.settings.flags import Settings
+    from training.settings import flags as cli
 
     tok_dir = chat_tokenizer(tiny_data, tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -87,7 +87,7 @@ def test_an_eos_inside_examples_refuses_packing_in_one_line(tiny_data, tmp_path)
                    progress=False)  # fmt: skip
     argv = ["--data", str(data), "--out", str(tmp_path / "run"), *TINY_RUN, "--seq-len", str(SEQ)]
     with pytest.raises(ConfigError) as e:
-        prepare_run(Settings.parse([*argv, "--doc-mask"]), world=2)
+        prepare_run(cli.parse([*argv, "--doc-mask"]), world=2)
     line = str(e.value)
     assert "\n" not in line and "inside an example" in line and str(data) in line, line
 

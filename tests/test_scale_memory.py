@@ -16,7 +16,7 @@ from conftest import PY, REPO, TINY_RUN, launch
 from training.errors import ConfigError
 from training.memory import oom
 from training.preflight import prepare_run
-from training.settings.flags import Settings
+from training.settings import flags as cli
 
 
 def run_args(data, out, *extra, steps=4):
@@ -35,7 +35,7 @@ def test_a_run_the_plan_rejects_is_refused_naming_a_config_that_fits(
     argv += ["--host-mem-gib", str(host_too_small_for_zero2())]
     zero2 = [*argv, "--ds_config", "ds_configs/zero2.json"]
     with pytest.raises(ConfigError) as e:
-        prepare_run(Settings.parse(zero2), world=2)
+        prepare_run(cli.parse(zero2), world=2)
     line = str(e.value)
     assert "\n" not in line
     assert "the memory plan says this run does not fit" in line
@@ -46,10 +46,10 @@ def test_a_run_the_plan_rejects_is_refused_naming_a_config_that_fits(
     assert not (tmp_path / "run").exists()
     # the config it names passes the same check, and --force passes the refused one
     fix = ["--ds_config", m.group(1), *(["--activation-checkpointing"] if m.group(2) else [])]
-    prepare_run(Settings.parse([*argv, *fix]), world=2)
-    prepare_run(Settings.parse([*zero2, "--force"]), world=2)
+    prepare_run(cli.parse([*argv, *fix]), world=2)
+    prepare_run(cli.parse([*zero2, "--force"]), world=2)
     with pytest.raises(ConfigError, match="--host-mem-gib must be a positive number of GiB"):
-        prepare_run(Settings.parse([*zero2, "--host-mem-gib", "0"]), world=2)
+        prepare_run(cli.parse([*zero2, "--host-mem-gib", "0"]), world=2)
 
 
 def host_too_small_for_zero2() -> float:
@@ -95,11 +95,11 @@ def test_async_save_staging_that_does_not_fit_is_refused_naming_the_fallback(tin
     argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "125M"]
     argv += ["--seq-len", "512", "--micro-batch", "1", "--host-mem-gib", str(host)]
     with pytest.raises(ConfigError) as e:
-        prepare_run(Settings.parse([*argv, "--async-save"]), world=2)
+        prepare_run(cli.parse([*argv, "--async-save"]), world=2)
     line = str(e.value)
     assert "\n" not in line and "--async-save's host copy of the states" in line, line
     assert "drop --async-save (saves are then synchronous)" in line
-    prepare_run(Settings.parse(argv), world=2)
+    prepare_run(cli.parse(argv), world=2)
 
 
 @pytest.mark.slow

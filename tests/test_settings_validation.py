@@ -10,13 +10,15 @@ import math
 
 import pytest
 import torch
-from conftest import launch, read_metrics
+from conftest import launch, read_metrics, sections
 from deepspeed.runtime.lr_schedules import WarmupDecayLR
 
 from training.errors import ConfigError
 from training.loop.schedule import Schedule
 from training.settings import ds_config as C
-from training.settings import hparams, sections
+from training.settings import hparams
+from training.settings import sections as keys
+from training.settings.config import OptimConfig
 from training.train import main
 
 
@@ -295,8 +297,8 @@ def test_resume_with_another_model_shape(capsys, base, tmp_path):
 
 # issue 18: every key applied or refused
 def resolve(raw, **flags):
-    flags = {"steps": 50, "backend": "deepspeed", **flags}
-    return C.resolve(raw, world=1, flags=flags, hidden_size=64, source="t.json", device_type="cpu")
+    kw = sections(**{"steps": 50, "backend": "deepspeed", **flags})
+    return C.resolve(raw, world=1, **kw, hidden_size=64, source="t.json", device_type="cpu")
 
 
 # A value for each top-level key, as a user would write it.
@@ -344,29 +346,31 @@ SAMPLES = {
 def test_every_known_key_is_applied_or_refused():
     """Each key of KNOWN_KEYS either changes what the run uses (the resolved config handed to
     DeepSpeed, the schedule, the model's checkpointing) or is refused naming it."""
-    groups = (sections.APPLIED_BY_ZEROSTACK, sections.APPLIED_BY_DEEPSPEED, set(sections.REFUSED))
+    groups = (keys.APPLIED_BY_ZEROSTACK, keys.APPLIED_BY_DEEPSPEED, set(keys.REFUSED))
     assert set().union(*groups) == C.KNOWN_KEYS and sum(map(len, groups)) == len(C.KNOWN_KEYS)
-    plain_flags = {"steps": 50, "backend": "deepspeed"}
-    plain_opt, plain_sched = C.hyperparameters(resolve({}), plain_flags)
+    plain = OptimConfig(steps=50)
+    plain_opt, plain_sched = C.hyperparameters(resolve({}), plain, "deepspeed")
     for key in sorted(C.KNOWN_KEYS):
-        if key in sections.REFUSED:
+        if key in keys.REFUSED:
             with pytest.raises(ConfigError, match=f"t.json: {key} is not applied"):
                 resolve({key: {"enabled": True}})
             continue
         out = resolve({key: SAMPLES[key]})
-        opt, sched = C.hyperparameters(out, plain_flags)
+        opt, sched = C.hyperparameters(out, plain, "deepspeed")
         if key == "optimizer":
             assert opt["lr"] == 3e-4 != plain_opt["lr"]
         elif key == "scheduler":
             assert sched["kind"] == "WarmupLR" and sched["warmup"] == 5 != plain_sched["warmup"]
         elif key == "activation_checkpointing":
-            assert C.activation_checkpointing(out, {}) and not C.activation_checkpointing({}, {})
+            assert C.activation_checkpointing(out, False) and not C.activation_checkpointing(
+                {}, False
+            )
         elif key == "gradient_accumulation_steps":
             assert out["gradient_accumulation_steps"] != 1  # the triplet derived from it
         else:
             assert out[key] == SAMPLES[key], key  # handed to deepspeed.initialize as written
         sized = ("zero_optimization", "pipeline", "tensor_parallel", "sequence_parallel_size")
-        if key in sections.APPLIED_BY_DEEPSPEED and key not in sized:
+        if key in keys.APPLIED_BY_DEEPSPEED and key not in sized:
             with pytest.raises(ConfigError, match=f"{key} is DeepSpeed's"):
                 resolve({key: SAMPLES[key]}, backend="ddp")
 
@@ -381,11 +385,13 @@ def test_optimizer_values_follow_one_rule():
         "eps": 1e-8,
         "weight_decay": 0.1,
     }
-    opt, sched = C.hyperparameters(out, {"steps": 50})
+    opt, sched = C.hyperparameters(out, OptimConfig(steps=50), "deepspeed")
     assert opt["lr"] == 3e-4 and sched["lr"] == 3e-4  # the schedule peaks at the config's lr
-    opt, sched = C.hyperparameters(resolve(raw, lr=1e-2), {"steps": 50, "lr": 1e-2})
+    opt, sched = C.hyperparameters(
+        resolve(raw, lr=1e-2), OptimConfig(steps=50, lr=1e-2), "deepspeed"
+    )
     assert opt["lr"] == 1e-2 and sched["lr"] == 1e-2 and opt["betas"] == [0.8, 0.99]
-    opt, _ = C.hyperparameters(resolve({}), {"steps": 50})
+    opt, _ = C.hyperparameters(resolve({}), OptimConfig(steps=50), "deepspeed")
     assert opt == {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -410,7 +416,7 @@ def test_scheduler_section_is_what_deepspeed_computes(kind, warmup_type):
     raw = {"optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}, "scheduler": {"type": kind}}
     raw["scheduler"]["params"] = params
     out = resolve(raw, steps=20)
-    _, fields = C.hyperparameters(out, {"steps": 20})
+    _, fields = C.hyperparameters(out, OptimConfig(steps=20), "deepspeed")
     ours = [Schedule(**fields).at(s) for s in range(24)]
     theirs = _deepspeed_lrs(
         getattr(lr_schedules, kind), 24, 2e-3, **out["scheduler"]["params"]
@@ -425,20 +431,21 @@ def test_scheduler_section_is_what_deepspeed_computes(kind, warmup_type):
 def test_warmup_flag_overrides_the_scheduler_section():
     raw = {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 50}}}
     flags = {"steps": 100, "warmup": 7, "min_lr_ratio": 0.3}
-    _, fields = C.hyperparameters(resolve(raw, **flags), flags)
+    _, fields = C.hyperparameters(resolve(raw, **flags), OptimConfig(**flags), "deepspeed")
     assert fields["warmup"] == 7 and fields["min_lr_ratio"] == 0.3 and fields["total"] == 100
     assert math.isclose(Schedule(**fields).at(99), 1e-3 * 0.3, rel_tol=0.01)
 
 
 def test_cpu_checkpointing_applies_on_cpu_only():
     raw = {"activation_checkpointing": {"cpu_checkpointing": True}}
-    assert C.activation_checkpointing(resolve(raw), {})
+    assert C.activation_checkpointing(resolve(raw), False)
     with pytest.raises(ConfigError, match="cpu_checkpointing=true is not applied"):
-        C.resolve(raw, world=1, flags={"steps": 5}, hidden_size=64, device_type="cuda")
+        C.resolve(raw, world=1, optim=OptimConfig(steps=5), hidden_size=64, device_type="cuda")
 
 
 def test_deepspeed_defaults_for_scheduler_params():
-    fields = hparams.resolve_schedule({"scheduler": {"type": "WarmupLR"}}, {}, 5e-4, 10, "t")
+    schedule = {"scheduler": {"type": "WarmupLR"}}
+    fields = hparams.resolve_schedule(schedule, OptimConfig(steps=10), 5e-4, "t")
     assert fields["warmup"] == 1000 and fields["warmup_type"] == "log" and fields["lr"] == 5e-4
 
 

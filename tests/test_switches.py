@@ -10,7 +10,7 @@ import pytest
 from training.errors import ConfigError
 from training.preflight.switches import Host, ranks_on_this_host, resolve_switches
 from training.settings import ds_config
-from training.settings.flags import Settings
+from training.settings import flags as cli
 
 GiB = 2**30
 BIG = Host("cpu", world=2, ranks_here=2, memory_bytes=64 * GiB)
@@ -18,12 +18,17 @@ BIG = Host("cpu", world=2, ranks_here=2, memory_bytes=64 * GiB)
 
 def switches(config: str, *flags: str, host: Host = BIG, params: int = 10**6, accum: int = 2):
     argv = ["--data", "d", "--out", "o", "--grad-accum", str(accum), *flags]
-    s = Settings.parse(argv)
+    s = cli.parse(argv)
     raw = ds_config.load_json(f"ds_configs/{config}.json")
     cfg = ds_config.resolve(
-        raw, world=host.world, flags=s.as_flags(), hidden_size=64, device_type=host.device_type
+        raw,
+        world=host.world,
+        optim=s.optim,
+        engine=s.engine,
+        hidden_size=64,
+        device_type=host.device_type,
     )
-    precision = s.precision or ds_config.precision(cfg)
+    precision = s.engine.precision or ds_config.precision(cfg)
     return resolve_switches(s, cfg, host, params, ours=True, precision=precision)
 
 
@@ -102,8 +107,7 @@ def test_flags_win_over_auto_and_impossible_ones_are_refused():
 def test_the_held_zero3_config_covers_the_whole_model():
     """--hold-weights resolves ZeRO-3's "auto" persistence threshold to the model's size."""
     raw = ds_config.load_json("ds_configs/zero3.json")
-    flags = Settings.parse(["--data", "d", "--out", "o"]).as_flags()
-    kw = dict(world=2, flags=flags, hidden_size=64, device_type="cpu", params=10**6)
+    kw = dict(world=2, hidden_size=64, device_type="cpu", params=10**6)
     zero = lambda cfg: cfg["zero_optimization"]["stage3_param_persistence_threshold"]  # noqa: E731
     assert zero(ds_config.resolve(raw, **kw)) == 640
     assert zero(ds_config.resolve(raw, hold_weights=True, **kw)) == 10**6

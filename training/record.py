@@ -20,14 +20,15 @@ from data.mixture import parse_spec
 from models.hub import resolve_pretrained
 from training.runtime import cluster, patches
 from training.runtime.shm import routed_dtypes as shm_routed_dtypes
-from training.settings import ds_config, parallel
+from training.settings import ds_config, parallel, runfile
+from training.settings.config import flat, nested
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_record(
     *,
-    flags: dict,
+    config,
     prepared,
     facts: dict,
     engine,
@@ -39,10 +40,14 @@ def run_record(
     resume=None,
 ) -> dict:
     """What resolved_config.json holds. `facts`: the built model's n_params, flops_per_token and
-    model_config; `ceiling`: the run's matmul ceiling (runtime/flops.py: Ceiling)."""
+    model_config; `ceiling`: the run's matmul ceiling (runtime/flops.py: Ceiling). `flags` holds
+    every setting by its flag's name, with the values the run uses for those left to the config
+    or a default (lr, betas, ...) and the attention kernel picked."""
+    flags = {**flat(config), **prepared.effective_flags, "attention": prepared.attention}
     manifest = prepared.manifest
     layout = engine.layout()
     return {
+        "config": nested(config),  # the run file that replays this run (--config)
         "flags": flags,
         "ds_config_file": prepared.config_path,
         "ds_config": prepared.ds_config,
@@ -107,6 +112,7 @@ def write_record(run_dir: Path, record: dict, manifest) -> None:
     """Rank 0: resolved_config.json, and the run's own copy of the tokenizer (so exports work
     after the data folder moves)."""
     (run_dir / "resolved_config.json").write_text(json.dumps(record, indent=1, default=str))
+    runfile.dump(record["config"], run_dir / "run.yaml")
     shutil.copytree(manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
 
 
@@ -143,8 +149,8 @@ def trainer_facts(record: dict) -> dict:
         "model_config": record["model_config"],
         "precision": record["precision"],  # an "auto" resume keeps it (exact resume)
         # --lora: the adapters' spec, and the frozen model they sit on (what export loads)
-        "lora": flags.get("lora"),
-        "base_model": flags.get("lora") and str(Path(resolve_pretrained(flags["model"])).resolve()),
+        "lora": flags["lora"],
+        "base_model": flags["lora"] and str(Path(resolve_pretrained(flags["model"])).resolve()),
     }
 
 

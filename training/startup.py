@@ -18,7 +18,7 @@ from training.runtime import cluster, distributed, runlock
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, model_shapes, probe_ranks
 from training.runtime.shm import shared_memory_collectives
-from training.settings.flags import Settings
+from training.settings.config import RunConfig
 
 
 @dataclass
@@ -34,29 +34,31 @@ class Started:
     accelerate: dict | None  # accelerate's process state, when launched by it
 
 
-def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
+def start(config: RunConfig, prepared: Prepared, run_dir: Path) -> Started:
     """The process group; the resume plan verified by every rank (falling back past a corrupt
     checkpoint with --resume auto); DeepSpeed's comm layer; the universal copy, if needed."""
     switches = prepared.switches
     here = prepared.host.ranks_here if prepared.host else None  # preflight/hosts.py
     dist = distributed.setup(
-        timeout_s=settings.dist_timeout,
-        local_rank_arg=settings.local_rank,
+        timeout_s=config.engine.dist_timeout,
+        local_rank_arg=config.engine.local_rank,
         keep_freed=switches.keep_freed_memory,
         ranks_here=here,
     )
-    prepared, probed = settle(settings, prepared, dist)
+    prepared, probed = settle(config, prepared, dist)
     hold_run_folder(run_dir, dist)
     if dist.is_main:  # a save cut short (a kill during an --async-save write): never resumed
         layout.set_aside_unsealed(run_dir / "checkpoints", rank0_printer(dist.rank))
     resume = prepared.resume
     if resume is not None:  # every rank hashes a share of the files; all agree on the verdict
-        auto, log = settings.resume == "auto", rank0_printer(dist.rank)
-        resume = verify_resume(resume, auto, prepared.topology, settings.universal, log=log)
+        auto, log = config.checkpoint.resume == "auto", rank0_printer(dist.rank)
+        resume = verify_resume(
+            resume, auto, prepared.topology, config.checkpoint.universal, log=log
+        )
     accelerate = cluster.align_accelerate_state(dist.backend)
     # Hands our process group to deepspeed.comm (zero.Init reads the world size from it); on one
     # CPU host its collectives, and FSDP2's, then go through shared memory.
-    shm = settings.backend in ("deepspeed", "fsdp") and shared_memory_collectives(
+    shm = config.engine.backend in ("deepspeed", "fsdp") and shared_memory_collectives(
         switches.shm_collectives, ranks_here=here
     )
     cfg = prepared.ds_config
@@ -66,16 +68,16 @@ def start(settings: Settings, prepared: Prepared, run_dir: Path) -> Started:
     return Started(dist, prepared, probed, resume, cfg, shm, accelerate)
 
 
-def settle(settings: Settings, prepared: Prepared, dist: DistInfo) -> tuple[Prepared, dict | None]:
+def settle(config: RunConfig, prepared: Prepared, dist: DistInfo) -> tuple[Prepared, dict | None]:
     """The precision a CPU measures: bf16 against fp32 on the model's matmul shapes, every rank
     at once with the threads it trains with (preflight/precision.py decides on the mean); the
     rates are kept for the run's MFU ceiling. A slow explicit choice is said once, on rank 0."""
     wanted = probe_dtypes(prepared)
     if not wanted:
         return prepared, None
-    shapes = model_shapes(prepared.model_config, prepared.micro_batch * settings.seq_len)
+    shapes = model_shapes(prepared.model_config, prepared.micro_batch * config.data.seq_len)
     probed = probe_ranks(dist.device, [DTYPES[n] for n in wanted], shapes)
-    prepared = settle_precision(settings, prepared, probed)
+    prepared = settle_precision(config, prepared, probed)
     if prepared.precision_choice.warning:
         rank0_printer(dist.rank)(prepared.precision_choice.warning)
     return prepared, probed

@@ -4,7 +4,7 @@
         --data DATA_DIR --model small --out runs/small
     torchrun --nproc_per_node 2 training/train.py --backend ddp --data DATA_DIR --out runs/ddp
 
-parse the flags (settings/flags.py) -> check everything that can be checked before any work
+parse the run's configuration (settings/flags.py: the flags over the run file) -> check everything that can be checked before any work
 (preflight/) -> train under guard.py, which turns how the run ended into its exit code
 (errors.py: 0 done, 2 bad input, 3 diverged, 4 lost a rank, 5 could not save, 75 preempted).
 Training: the process group and the resume plan verified by all ranks (startup.py), the model
@@ -56,50 +56,49 @@ from training.record import (
 from training.runtime import distributed, signals
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, ceiling_drift, model_shapes, run_ceiling
-from training.settings import nvme
-from training.settings.flags import Settings, parser
+from training.settings import flags, nvme
+from training.settings.config import RunConfig
 from training.startup import Started, give_back_untouched, start
 
-__all__ = ["Settings", "main", "parser"]
+__all__ = ["RunConfig", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = Settings.parse(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        prepared = prepare_run(settings, world, rank)
+        config = flags.parse(argv)
+        prepared = prepare_run(config, world, rank)
     except (ConfigError, DataError, ModelError, CheckpointError) as e:
         return refused(e, rank, world)  # rank 0 speaks for all, a stray rank for itself
-    return run_guarded(
-        lambda: train(settings, prepared), rank=rank, world=world, run_dir=settings.out
-    )
+    return run_guarded(lambda: train(config, prepared), rank=rank, world=world, run_dir=config.out)
 
 
-def train(settings: Settings, prepared: Prepared) -> int:
-    """Every rank: train as the settings and the preflight's findings say."""
-    run_dir = Path(settings.out)
-    started = start(settings, prepared, run_dir)
+def train(config: RunConfig, prepared: Prepared) -> int:
+    """Every rank: train as the configuration and the preflight's findings say."""
+    run_dir = Path(config.out)
+    started = start(config, prepared, run_dir)
     dist, prepared = started.dist, started.prepared  # its precision settled
     done = started.resume.trainer_state()["step"] if started.resume else 0
-    if done >= settings.steps:  # a launch that changes nothing rewrites nothing of the run
+    if done >= config.optim.steps:  # a launch that changes nothing rewrites nothing of the run
         if dist.is_main:
-            print(f"already trained {done} steps (--steps {settings.steps}); nothing to do")
+            print(f"already trained {done} steps (--steps {config.optim.steps}); nothing to do")
         give_back_untouched()
         distributed.teardown()
         return 0
-    torch.manual_seed(settings.seed)  # same initial weights on every rank, before the model exists
-    engine, facts = build(settings, prepared, started)
-    loader, val_ds = make_loaders(settings, prepared, engine)
+    # the same initial weights on every rank, before the model exists
+    torch.manual_seed(config.optim.seed)
+    engine, facts = build(config, prepared, started)
+    loader, val_ds = make_loaders(config, prepared, engine)
     resume = started.resume
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
     dtype = DTYPES[prepared.precision]
     # Measured by all ranks at once, on this model's matmul shapes (runtime/flops.py): at the
     # start, where a CPU chose its precision by it, else now.
-    shapes = model_shapes(facts["model_config"], prepared.micro_batch * settings.seq_len)
-    ceiling = run_ceiling(dist.device, dtype, shapes, settings.peak_tflops, started.probed)
+    shapes = model_shapes(facts["model_config"], prepared.micro_batch * config.data.seq_len)
+    ceiling = run_ceiling(dist.device, dtype, shapes, config.logging.peak_tflops, started.probed)
     record = run_record(
-        flags={**settings.as_flags(), **prepared.effective_flags, "attention": prepared.attention},
+        config=config,
         prepared=prepared,
         facts=facts,
         engine=engine,
@@ -110,7 +109,7 @@ def train(settings: Settings, prepared: Prepared) -> int:
         resume=resume,
         ceiling=ceiling,
     )
-    logger = open_logger(settings, prepared, record, engine.dp_world, state.step, started)
+    logger = open_logger(config, prepared, record, engine.dp_world, state.step, started)
     choice = prepared.precision_choice
     logger.log(
         {"kind": "precision", "step": state.step, **choice.as_record(), "note": choice.line()}
@@ -121,10 +120,10 @@ def train(settings: Settings, prepared: Prepared) -> int:
     def reprobe() -> float:  # all ranks at once, as at the start
         return run_ceiling(dist.device, dtype, shapes).per_rank * dist.world
 
-    followups = start_followups(prepared, dist, run_dir, logger, settings.keep_last)
+    followups = start_followups(prepared, dist, run_dir, logger, config.checkpoint.keep_last)
     last_eval = train_loop(
         Training(
-            settings=settings,
+            config=config,
             prepared=prepared,
             engine=engine,
             loader=loader,
@@ -158,47 +157,47 @@ def train(settings: Settings, prepared: Prepared) -> int:
 
 
 def open_logger(
-    settings: Settings, prepared: Prepared, record: dict, dp_world: int, step: int, started
+    config: RunConfig, prepared: Prepared, record: dict, dp_world: int, step: int, started
 ) -> RunLogger:
     """Rank 0's logger (the others' log nothing), the run's record written, and the banner."""
-    run_dir, is_main = Path(settings.out), started.dist.is_main
+    run_dir, is_main = Path(config.out), started.dist.is_main
     logger = RunLogger(
         run_dir,
         is_main,
-        settings.steps,
+        config.optim.steps,
         step,
-        wandb=settings.wandb,
-        wandb_project=settings.wandb_project,
-        run_name=settings.run_name,
+        wandb=config.logging.wandb,
+        wandb_project=config.logging.wandb_project,
+        run_name=config.logging.run_name,
         config=record,
     )
     if is_main:
         write_record(run_dir, record, prepared.manifest)
-        batch = (prepared.micro_batch, prepared.grad_accum, dp_world, settings.seq_len)
+        batch = (prepared.micro_batch, prepared.grad_accum, dp_world, config.data.seq_len)
         logger.console(banner(record, batch) + resumed(started.resume))
     return logger
 
 
-def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Engine, dict]:
+def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engine, dict]:
     """The model, built as its engine will hold it, wrapped in that engine. Returns the engine
     and what the record keeps of the model (parameter count, FLOPs per token, config)."""
     dist = started.dist
     model = build_for_engine(
-        settings.model,
+        config.model.name,
         vocab_size=prepared.manifest.vocab_size,
-        backend=settings.backend,
+        backend=config.engine.backend,
         ds_config=started.ds_config,
         overrides=prepared.model_overrides,
         keep_freed=prepared.switches.keep_freed_memory,
     )
     attention = prepared.attention  # picked in preflight
     set_attention_kernel(model, attention)  # the pipeline engine sets its own layers' kernel
-    if settings.doc_mask:  # documents end at EOS in the prepared data (data/shards.py)
+    if config.data.doc_mask:  # documents end at EOS in the prepared data (data/shards.py)
         set_document_mask(model, prepared.manifest.eos_id)
     if prepared.activation_checkpointing:  # the flag, or the config's section
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if prepared.lora is not None:  # frozen base, fresh adapters: what the engine trains
-        model = apply_lora(model, prepared.lora, settings.seed)
+    if config.model.lora is not None:  # frozen base, fresh adapters: what the engine trains
+        model = apply_lora(model, config.model.lora, config.optim.seed)
     compiled = None
     if prepared.compile:  # in place: parameter names and checkpoints are unchanged
         n, what = compile_blocks(model)
@@ -206,7 +205,7 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
     n_params = sum(getattr(w, "ds_numel", w.numel()) for w in model.parameters())
     facts = {
         "n_params": n_params,
-        "flops_per_token": flops_per_token(model.config, settings.seq_len, n_params=n_params),
+        "flops_per_token": flops_per_token(model.config, config.data.seq_len, n_params=n_params),
         "model_config": model.config,
         "compiled": compiled,  # "6 x Block": what torch.compile compiles (--compile)
         "trainable_params": sum(
@@ -214,25 +213,22 @@ def build(settings: Settings, prepared: Prepared, started: Started) -> tuple[Eng
         ),
     }
     engine = build_engine(
-        settings.backend,
+        config.engine,
         model=model,
         ds_config=started.ds_config,
         optimizer=prepared.optimizer,  # flag given > ds_config > default (settings/hparams.py)
         device=dist.device,
         precision=prepared.precision,
         attention=attention,
-        ddp_bucket_mb=settings.ddp_bucket_mb,
-        fsdp_reshard_after_forward=settings.fsdp_reshard_after_forward,
-        fsdp_cpu_offload=settings.fsdp_cpu_offload,
         hold_weights=prepared.switches.hold_weights,
         zero3_whole_blocks=prepared.switches.zero3_whole_blocks,
         grad_sum=prepared.switches.grad_sum,
     )
     del model  # the pipeline engine keeps only its stage's layers: free the rest
-    imported = settings.model not in PRESETS and prepared.lora is None  # LoRA: no masters
+    imported = config.model.name not in PRESETS and config.model.lora is None  # LoRA: no masters
     if started.resume is None and prepared.precision != "fp32" and imported:
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
-        engine.set_master_weights(folder_weights(resolve_pretrained(settings.model)))
+        engine.set_master_weights(folder_weights(resolve_pretrained(config.model.name)))
     return engine, facts
 
 
@@ -249,23 +245,23 @@ def start_followups(prepared: Prepared, dist: DistInfo, run_dir: Path, logger, k
 
 
 def make_loaders(
-    settings: Settings, prepared: Prepared, engine: Engine
+    config: RunConfig, prepared: Prepared, engine: Engine
 ) -> tuple[BatchLoader, TokenDataset]:
     """The training reader, sharded over the data-parallel replicas, and the validation set
     (for a mixture `--data A:0.7,B:0.3`, data.Mixture of the folders)."""
-    pack = settings.doc_mask  # chat data: several examples a sample, kept apart by the mask
-    train_ds = open_split(settings.data, "train", settings.seq_len, pack)
+    pack = config.data.doc_mask  # chat data: several examples a sample, kept apart by the mask
+    train_ds = open_split(config.data.path, "train", config.data.seq_len, pack)
     loader = BatchLoader(
-        train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, settings.seed
+        train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, config.optim.seed
     )
-    return loader, open_split(settings.data, "val", settings.seq_len, pack)
+    return loader, open_split(config.data.path, "val", config.data.seq_len, pack)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Training:
     """What the loop runs with, once everything it needs is built."""
 
-    settings: Settings
+    config: RunConfig
     prepared: Prepared
     engine: Engine
     loader: BatchLoader
@@ -281,39 +277,38 @@ class Training:
 
 def train_loop(t: Training) -> dict:
     """The loop, with its saver and evaluator; returns the last evaluation."""
-    settings, prepared, engine, dist, run_dir = t.settings, t.prepared, t.engine, t.dist, t.run_dir
+    config, prepared, engine, dist, run_dir = t.config, t.prepared, t.engine, t.dist, t.run_dir
     loader, logger, record = t.loader, t.logger, t.record
     micro, accum = prepared.micro_batch, prepared.grad_accum
-    config = LoopConfig(
+    loop = LoopConfig(
         schedule=prepared.schedule,
         grad_accum=accum,
-        tokens_per_step=micro * accum * engine.dp_world * settings.seq_len,
-        log_every=settings.log_every,
-        eval_every=settings.eval_every,
-        save_every=settings.save_every,
-        stop_at=settings.stop_at,
-        max_bad_steps=settings.max_bad_steps,
+        tokens_per_step=micro * accum * engine.dp_world * config.data.seq_len,
+        log_every=config.logging.every,
+        eval_every=config.eval.every,
+        save_every=config.checkpoint.save_every,
+        stop_at=config.checkpoint.stop_at,
+        max_bad_steps=config.optim.max_bad_steps,
         flops_per_token=record["flops_per_token"],
         ceiling=LiveCeiling(record["peak_flops_per_rank"] * dist.world, t.reprobe, dist.world),
         compiled=record["compiled"],
         token_weighted=getattr(loader.dataset, "masked", False),
-        eval_on_start=settings.eval_on_start,
+        eval_on_start=config.eval.on_start,
         profiler=StepProfiler(
-            parse_span(settings.profile), run_dir / "profile", dist.is_main, dist.device.type
+            parse_span(config.logging.profile), run_dir / "profile", dist.is_main, dist.device.type
         )
-        if settings.profile
+        if config.logging.profile
         else None,
     )
     saver = Saver(
         engine,
         loader,
         logger,
+        checkpoint=config.checkpoint,
         root=run_dir / "checkpoints",
-        keep_last=settings.keep_last,
         world=dist.world,
         is_main=dist.is_main,
         run_facts=trainer_facts(record),
-        async_save=settings.async_save,
         device=dist.device,
         followups=t.followups,
     )
@@ -321,7 +316,7 @@ def train_loop(t: Training) -> dict:
         engine,
         t.val_ds,
         micro_batch=micro,
-        max_samples=settings.eval_samples,
+        max_samples=config.eval.samples,
         device=dist.device,
         logger=logger,
     )
@@ -329,7 +324,7 @@ def train_loop(t: Training) -> dict:
         engine,
         loader,
         t.state,
-        config,
+        loop,
         device=dist.device,
         logger=logger,
         saver=saver,

@@ -24,7 +24,6 @@ from training import preflight
 from training.engines.construct import build_for_engine
 from training.runtime import distributed
 from training.settings import ds_config, nvme
-from training.settings.flags import Settings
 
 
 def rss() -> int:
@@ -59,12 +58,13 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend=dist.backend)
     # a folder's config ignores the vocabulary; a preset keeps its own unless one is given
     model_cfg = preflight.model_config(model, vocab or PRESETS.get(model, {}).get("vocab_size"))
-    flags = {
-        **Settings(data="-", out="-").as_flags(),
-        **nvme.auto_values(str(swap), swap, model_cfg),
-    }
     raw = ds_config.load_json(ds_config.CONFIG_DIR / f"{name}.json")
-    cfg = ds_config.resolve(raw, world=dist.world, flags=flags, hidden_size=model_cfg.hidden_size)
+    cfg = ds_config.resolve(
+        raw,
+        world=dist.world,
+        swap=nvme.auto_values(str(swap), swap, model_cfg),
+        hidden_size=model_cfg.hidden_size,
+    )
     torch.manual_seed(0)
     distributed.barrier()
     before = rss()

@@ -25,23 +25,24 @@ from training.engines import OptimizerConfig, build_engine
 from training.engines.construct import build_for_engine
 from training.memory import plan as memory_plan
 from training.runtime import distributed
-from training.settings import ds_config
-from training.settings.flags import Settings
+from training.settings import ds_config, flags
 from training.settings.hparams import DEFAULTS as D
 
 
 def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
     argv = ["--data", data, "--out", "-", "--model", model, "--micro-batch", "1"]
-    s = Settings.parse([*argv, "--grad-accum", "2"])
+    s = flags.parse([*argv, "--grad-accum", "2"])
     vocab = load_manifest(data).vocab_size
     shape = memory_plan.model_shape(model, vocab)
     raw = ds_config.load_json(ds_config.CONFIG_DIR / f"{name}.json")
-    ds_cfg = ds_config.resolve(raw, world=dist.world, flags=s.as_flags(), hidden_size=shape.hidden)
+    ds_cfg = ds_config.resolve(
+        raw, world=dist.world, optim=s.optim, engine=s.engine, hidden_size=shape.hidden
+    )
     plan = memory_plan.plan(shape, ds_cfg, dist.world, config_name=name, seq_len=32)
     torch.manual_seed(0)
     net = build_for_engine(model, vocab_size=vocab, backend="deepspeed", ds_config=ds_cfg)
     engine = build_engine(
-        "deepspeed",
+        s.engine,
         model=net,
         ds_config=ds_cfg,
         optimizer=OptimizerConfig(D["lr"], (D["beta1"], D["beta2"]), D["eps"], D["weight_decay"]),

@@ -21,8 +21,7 @@ from training.engines import OptimizerConfig, build_engine
 from training.engines.construct import build_for_engine
 from training.loop.loop import _micro_batches
 from training.runtime import distributed
-from training.settings import ds_config
-from training.settings.flags import Settings
+from training.settings import ds_config, flags
 
 SEQ = 64
 
@@ -45,17 +44,21 @@ def one_step(run: str, data: str, seed: int, dist) -> tuple[dict, dict, float]:
     native = backend != "deepspeed"
     cfg_file = ds_config.CONFIG_DIR / ("zero0.json" if native else f"{name}.json")
     argv = ["--backend", backend, "--data", data, "--out", "unused", "--seq-len", str(SEQ)]
-    s = Settings.parse([*argv, "--micro-batch", micro, "--grad-accum", accum])
+    s = flags.parse([*argv, "--micro-batch", micro, "--grad-accum", accum])
     manifest = load_manifest(data)
     cfg = ds_config.resolve(
-        ds_config.load_json(cfg_file), world=dist.world, flags=s.as_flags(), hidden_size=64
+        ds_config.load_json(cfg_file),
+        world=dist.world,
+        optim=s.optim,
+        engine=s.engine,
+        hidden_size=64,
     )
     if not native:  # the DeepSpeed configs' own precision section off: fp32 (the test's claim)
         cfg = {k: v for k, v in cfg.items() if k not in ("bf16", "fp16")}
     torch.manual_seed(0)
     model = build_for_engine("tiny", vocab_size=manifest.vocab_size, backend=backend, ds_config=cfg)
     engine = build_engine(
-        backend,
+        s.engine,
         model=model,
         ds_config=cfg,
         optimizer=OptimizerConfig(1e-3, (0.9, 0.95), 1e-8, 0.0),

@@ -21,8 +21,7 @@ from data import load_manifest
 from training.engines import OptimizerConfig, build_engine
 from training.engines.construct import build_for_engine
 from training.runtime import distributed
-from training.settings import ds_config
-from training.settings.flags import Settings
+from training.settings import ds_config, flags
 from training.settings.hparams import DEFAULTS as D
 
 
@@ -30,13 +29,14 @@ def measure(name: str, data: str, model_dir: str, dist) -> dict:
     backend = name if name in ("ddp", "fsdp") else "deepspeed"
     cfg_file = ds_config.CONFIG_DIR / ("zero0.json" if backend != "deepspeed" else f"{name}.json")
     argv = ["--backend", backend, "--data", data, "--out", "unused"]
-    s = Settings.parse([*argv, "--micro-batch", "1", "--grad-accum", "2"])
+    s = flags.parse([*argv, "--micro-batch", "1", "--grad-accum", "2"])
     manifest = load_manifest(data)
     model_cfg = json.loads((Path(model_dir) / "config.json").read_text())
     ds_cfg = ds_config.resolve(
         ds_config.load_json(cfg_file),
         world=dist.world,
-        flags=s.as_flags(),
+        optim=s.optim,
+        engine=s.engine,
         hidden_size=model_cfg["hidden_size"],
     )
     torch.manual_seed(0)
@@ -44,7 +44,7 @@ def measure(name: str, data: str, model_dir: str, dist) -> dict:
         model_dir, vocab_size=manifest.vocab_size, backend=backend, ds_config=ds_cfg
     )
     engine = build_engine(
-        backend,
+        s.engine,
         model=model,
         ds_config=ds_cfg,
         optimizer=OptimizerConfig(D["lr"], (D["beta1"], D["beta2"]), D["eps"], D["weight_decay"]),

@@ -18,13 +18,14 @@ from training.engines.ds import DeepSpeedEngine
 from training.engines.fsdp import FSDPEngine
 from training.engines.fsdp import load_full_state_dict as fsdp_full_state_dict
 from training.engines.pipeline import PipelineEngine
+from training.settings.config import EngineConfig
 from training.settings.ds_config import pipeline_stages
 
 __all__ = ["Engine", "OptimizerConfig", "StepResult", "build_engine", "load_full_state_dict"]
 
 
 def build_engine(
-    backend: str,
+    engine: EngineConfig,
     *,
     model,
     ds_config: dict,
@@ -32,19 +33,18 @@ def build_engine(
     device: torch.device,
     precision: str,
     attention: str = "sdpa",
-    ddp_bucket_mb: float | None = None,
-    fsdp_reshard_after_forward: bool = True,
-    fsdp_cpu_offload: bool = False,
     hold_weights: bool = False,
     zero3_whole_blocks: bool = False,
     grad_sum: bool = False,
 ) -> Engine:
-    """backend: 'deepspeed' (the pipeline engine when ds_config has pipeline.stages > 1), 'ddp'
-    or 'fsdp'. DeepSpeed reads precision, batch and clipping from ds_config; the native engines
-    take precision as given and read accumulation and clipping from the same keys DeepSpeed
-    would. Each engine gets its own switches only (resolved by training/preflight/switches.py):
-    ZeRO-3 `zero3_whole_blocks`, ZeRO-1/2 `grad_sum`, FSDP2 `hold_weights` (ZeRO-3's hold is in
-    its config's persistence threshold)."""
+    """The run's engine section says which: 'deepspeed' (the pipeline engine when ds_config has
+    pipeline.stages > 1), 'ddp' or 'fsdp', with their own settings. DeepSpeed reads precision,
+    batch and clipping from ds_config; the native engines take precision as given and read
+    accumulation and clipping from the same keys DeepSpeed would. Each engine gets its own
+    switches only (resolved by training/preflight/switches.py): ZeRO-3 `zero3_whole_blocks`,
+    ZeRO-1/2 `grad_sum`, FSDP2 `hold_weights` (ZeRO-3's hold is in its config's persistence
+    threshold)."""
+    backend = engine.backend
     if backend == "deepspeed":
         if pipeline_stages(ds_config) > 1:
             return PipelineEngine(
@@ -71,12 +71,12 @@ def build_engine(
         "grad_clip": float(ds_config.get("gradient_clipping") or 0.0),
     }
     if backend == "ddp":
-        return DDPEngine(**native, bucket_mb=ddp_bucket_mb)
+        return DDPEngine(**native, bucket_mb=engine.ddp_bucket_mb)
     if backend == "fsdp":
         return FSDPEngine(
             **native,
-            reshard_after_forward=fsdp_reshard_after_forward,
-            cpu_offload=fsdp_cpu_offload,
+            reshard_after_forward=engine.fsdp_reshard_after_forward,
+            cpu_offload=engine.fsdp_cpu_offload,
             hold=hold_weights,
         )
     raise ValueError(f"unknown backend {backend!r}; choose deepspeed, ddp or fsdp")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from training.checkpoints import layout
 from training.runtime.distributed import all_reduce_scalars
+from training.settings.config import CheckpointConfig
 
 # What a save in flight gets to finish after a stop signal: well inside the 30 s a scheduler
 # usually allows between SIGTERM and SIGKILL, leaving room to exit.
@@ -42,19 +43,20 @@ class Saver:
         loader,
         logger,
         *,
+        checkpoint: CheckpointConfig,
         root: Path,
-        keep_last: int,
         world: int,
         is_main,
         run_facts: dict,
-        async_save: bool = False,
         device=None,
         followups=None,
     ):
+        """`checkpoint`: the run's checkpoint section (how many to keep, --async-save)."""
         self.engine, self.loader, self.logger = engine, loader, logger
-        self.root, self.keep_last, self.world, self.is_main = root, keep_last, world, is_main
+        self.root, self.world, self.is_main = root, world, is_main
+        self.keep_last, self.async_save = checkpoint.keep_last, checkpoint.async_save
         self.run_facts = run_facts  # backend, topology, model, data: what resume and export read
-        self.async_save, self.device = async_save, device
+        self.device = device
         self.pending: InFlight | None = None
         # rank 0's background work on sealed checkpoints (loop/followups.py), else None
         self.followups = followups

@@ -46,8 +46,9 @@ from models.hub import is_hub_name, resolve_pretrained
 from training.errors import ConfigError
 from training.runtime.distributed import accelerator
 from training.settings import ds_config
+from training.settings.config import OptimConfig
 from training.settings.ds_config import CONFIG_DIR
-from training.settings.flags import Settings, auto_unless
+from training.settings.flags import auto_unless
 
 GiB = 2**30
 HEADROOM = 0.9  # plan to use at most this share of a device: allocators fragment
@@ -485,11 +486,14 @@ def resolve_config(
     """A ds_config file resolved as the trainer would on `device_type` (its flag defaults, this
     world size, ZeRO-3's hold as --hold-weights auto decides it on a host of `host_bytes`): bad
     files and combinations raise ConfigError."""
-    flags = Settings(data="-", out="-").as_flags()  # the trainer's defaults
-    flags["micro_batch"] = micro_batch
-    flags["nvme_buffer_size"] = max(shape.largest_layer, 1 << 20)
     raw = ds_config.load_json(path)
-    kw = dict(world=world, flags=flags, hidden_size=shape.hidden, source=str(path))
+    kw = dict(
+        world=world,
+        optim=OptimConfig(micro_batch=micro_batch),  # else the trainer's defaults
+        swap=("nvme_swap", max(shape.largest_layer, 1 << 20)),
+        hidden_size=shape.hidden,
+        source=str(path),
+    )
     cfg = ds_config.resolve(raw, device_type=device_type, params=shape.params, **kw)
     held, _ = zero3_holds_whole(
         cfg, shape.params, world, ranks_per_host or world, host_bytes or 0, device_type

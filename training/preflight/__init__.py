@@ -17,7 +17,6 @@ from pathlib import Path
 from data import load_data
 from data.manifest import Manifest
 from models import pick_attention_kernel
-from models.lora import LoraSpec
 from training.checkpoints.resume import ResumePlan, plan_resume
 from training.checkpoints.universal import Topology
 from training.engines.base import OptimizerConfig
@@ -53,7 +52,7 @@ from training.runtime import patches
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, nvme, parallel
-from training.settings.flags import Settings
+from training.settings.config import RunConfig
 
 __all__ = [
     "Precision",
@@ -95,7 +94,6 @@ class Prepared:
     host: Host | None = None
     shape: object = None  # the model's counted shape (memory/plan.py)
     followups: tuple = ()  # background work on sealed checkpoints (loop/followups.py: Job)
-    lora: LoraSpec | None = None  # --lora parsed: adapters on a frozen model (models/lora.py)
 
     @property
     def compile(self) -> bool:
@@ -127,61 +125,51 @@ class Prepared:
         }
 
 
-def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
+def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     """Check a run before any work; raises ConfigError, DataError, ModelError or CheckpointError
     with one line."""
-    check_flags(settings)
-    followups = plan_followups(settings)
-    check_out(settings)
+    check_flags(config)
+    followups = plan_followups(config)
+    check_out(config)
     check_launch_env(world)
-    default = "zero2.json" if settings.backend == "deepspeed" else "zero0.json"
-    cfg_path = accelerate_ds_config(settings.ds_config) or str(ds_config.CONFIG_DIR / default)
-    raw = ds_config.load_json(cfg_path)
     device = accelerator().device_name()
-    # The config's own mistakes first: before the data's checksums are read.
-    ds_config.precheck(raw, flags=settings.as_flags(), source=cfg_path, device_type=device)
+    raw, cfg_path = load_config(config, device)
     log = rank0_printer(rank)
-    manifest = load_data(settings.data, settings.seq_len, verify=True, log=log)
-    overrides = model_overrides(settings.model, settings.seq_len)
-    model_cfg = model_config(settings.model, manifest.vocab_size, overrides)
-    check_lengths(settings, model_cfg, manifest)
-    raw = nvme.override_path(raw, settings.nvme_path, cfg_path)
-    flags = run_flags(settings, model_cfg)
-    shape = shape_of_config(model_cfg, settings.model)  # counted on the meta device
-    host = this_host(settings, device, world)
+    manifest = load_data(config.data.path, config.data.seq_len, verify=True, log=log)
+    overrides = model_overrides(config.model.name, config.data.seq_len)
+    model_cfg = model_config(config.model.name, manifest.vocab_size, overrides)
+    check_lengths(config, model_cfg, manifest)
+    raw = nvme.override_path(raw, config.engine.nvme_path, cfg_path)
+    shape = shape_of_config(model_cfg, config.model.name)  # counted on the meta device
+    host = this_host(config, device, world)
     for line in patches.unverified_lines():  # each patch outside its verified versions, once
         log(f"warning: {line}")
-    want = precisions.asked(settings.precision, raw, cfg_path)
+    want = precisions.asked(config.engine.precision, raw, cfg_path)
     precision = precisions.PLANNED if want == "auto" else want  # chosen at the end
     cfg, switches = resolve_config(
-        settings, precisions.apply(raw, precision), flags, cfg_path, host, shape, model_cfg
+        config, precisions.apply(raw, precision), cfg_path, host, shape, model_cfg
     )
-    if settings.backend == "deepspeed" and nvme.nvme_sections(cfg):
+    if config.engine.backend == "deepspeed" and nvme.nvme_sections(cfg):
         nvme.check_aio(cfg_path)
-    check_engine(settings, cfg, cfg_path, precision)
-    check_model(settings, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
+    check_engine(config, cfg, cfg_path, precision)
+    check_model(config, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
     attention = pick_attention_kernel(
-        settings.attention, device, settings.seq_len, settings.doc_mask
+        config.model.attention, device, config.data.seq_len, config.data.doc_mask
     )
-    check_parallel(settings, cfg, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
-    check_chat_data(settings, cfg, cfg_path, manifest)
-    lora, shape = check_lora(settings, cfg, cfg_path, model_cfg, shape)
-    if settings.backend == "deepspeed":
+    check_parallel(config, cfg, parallel.layout(cfg, world, cfg_path), model_cfg, cfg_path)
+    check_chat_data(config, cfg, cfg_path, manifest)
+    shape = check_lora(config, cfg, cfg_path, model_cfg, shape)
+    if config.engine.backend == "deepspeed":
         background = background_bytes(followups, shape.params)
-        check_memory(settings, cfg, cfg_path, shape, world, host.ranks_here, background)
-    now = Topology(
-        settings.backend,
-        world,
-        ds_config.zero_stage(cfg),
-        ds_config.pipeline_stages(cfg),
-        parallel.tensor_size(cfg),
-        parallel.sequence_size(cfg),
-        optimizer_on_nvme="offload_optimizer" in nvme.nvme_sections(cfg),
-    )
-    resume = plan_resume(settings.resume, Path(settings.out), now, settings.universal, log)
+        check_memory(config, cfg, cfg_path, shape, world, host.ranks_here, background)
+    now = topology(config.engine.backend, cfg, world)
+    saved = config.checkpoint
+    resume = plan_resume(saved.resume, Path(config.out), now, saved.universal, log)
     if resume is not None:
-        check_resume_shape(resume, model_cfg, settings.model, settings.lora)
-    optimizer, schedule = ds_config.hyperparameters(cfg, flags, cfg_path)
+        check_resume_shape(resume, model_cfg, config.model.name, config.model.lora)
+    optimizer, schedule = ds_config.hyperparameters(
+        cfg, config.optim, config.engine.backend, cfg_path
+    )
     prepared = Prepared(
         ds_config=cfg,
         config_path=cfg_path,
@@ -196,7 +184,9 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
             optimizer["lr"], tuple(optimizer["betas"]), optimizer["eps"], optimizer["weight_decay"]
         ),
         schedule=Schedule(**schedule),
-        activation_checkpointing=ds_config.activation_checkpointing(cfg, flags),
+        activation_checkpointing=ds_config.activation_checkpointing(
+            cfg, config.model.activation_checkpointing
+        ),
         model_overrides=overrides,
         attention=attention,
         switches=switches,
@@ -204,12 +194,36 @@ def prepare_run(settings: Settings, world: int, rank: int = 0) -> Prepared:
         host=host,
         shape=shape,
         followups=followups,
-        lora=lora,
     )
-    return choose_precision(settings, prepared)
+    return choose_precision(config, prepared)
 
 
-def choose_precision(settings: Settings, prepared: Prepared) -> Prepared:
+def load_config(config: RunConfig, device: str) -> tuple[dict, str]:
+    """The DeepSpeed JSON the run names (or accelerate hands over, or the backend's default)
+    and its path, its own mistakes refused before the data's checksums are read."""
+    default = "zero2.json" if config.engine.backend == "deepspeed" else "zero0.json"
+    cfg_path = accelerate_ds_config(config.engine.ds_config) or str(ds_config.CONFIG_DIR / default)
+    raw = ds_config.load_json(cfg_path)
+    ds_config.precheck(
+        raw, optim=config.optim, engine=config.engine, source=cfg_path, device_type=device
+    )
+    return raw, cfg_path
+
+
+def topology(backend: str, cfg: dict, world: int) -> Topology:
+    """This run's topology: what its checkpoint's files depend on."""
+    return Topology(
+        backend,
+        world,
+        ds_config.zero_stage(cfg),
+        ds_config.pipeline_stages(cfg),
+        parallel.tensor_size(cfg),
+        parallel.sequence_size(cfg),
+        optimizer_on_nvme="offload_optimizer" in nvme.nvme_sections(cfg),
+    )
+
+
+def choose_precision(config: RunConfig, prepared: Prepared) -> Prepared:
     """The precision where it needs no measurement: an "auto" resume keeps its checkpoint's, a
     GPU takes what it supports, fp32 is fp32. A CPU's "auto", bf16 or fp16 is measured once the
     process group is up (settle_precision)."""
@@ -219,15 +233,15 @@ def choose_precision(settings: Settings, prepared: Prepared) -> Prepared:
     if kept:
         # An exact resume continues in the precision its optimizer states were saved in.
         why = f"resuming {resume.tag}, saved in {kept}"
-        return repick(settings, prepared, Precision(kept, "auto", why))
+        return repick(config, prepared, Precision(kept, "auto", why))
     if not precisions.needs_probe(want, device):
         bf16 = device == "cpu" or accelerator().is_bf16_supported()
-        return repick(settings, prepared, precisions.decide(want, device, bf16_supported=bf16))
+        return repick(config, prepared, precisions.decide(want, device, bf16_supported=bf16))
     return prepared
 
 
 def settle_precision(
-    settings: Settings, prepared: Prepared, probed: dict[str, tuple[float, ...]]
+    config: RunConfig, prepared: Prepared, probed: dict[str, tuple[float, ...]]
 ) -> Prepared:
     """A CPU's precision, decided on the rates every rank measured together (`probed`: each
     rank's FLOP/s by dtype, runtime/flops.py: probe_ranks), the same on every rank. A run
@@ -237,7 +251,7 @@ def settle_precision(
     rates = {name: sum(r) / len(r) for name, r in probed.items()}
     device = prepared.host.device_type
     return repick(
-        settings, prepared, precisions.decide(prepared.precision_asked, device, rates=rates)
+        config, prepared, precisions.decide(prepared.precision_asked, device, rates=rates)
     )
 
 
@@ -250,48 +264,41 @@ def probe_dtypes(prepared: Prepared) -> list[str]:
     return ["bf16" if asked == "auto" else asked, "fp32"]
 
 
-def run_flags(settings: Settings, model_cfg) -> dict:
-    """The flags the config is resolved with: the user's, and the NVMe swap's "auto" values."""
-    return {
-        **settings.as_flags(),
-        **nvme.auto_values(settings.nvme_path, Path(settings.out), model_cfg),
-    }
-
-
-def repick(settings: Settings, prepared: Prepared, choice: Precision) -> Prepared:
+def repick(config: RunConfig, prepared: Prepared, choice: Precision) -> Prepared:
     """The prepared run in `choice`'s precision: where it differs from what was planned, the
     config and the switches resolved anew, and the engine and memory checks run again."""
     if choice.name == prepared.precision:
         return replace(prepared, precision_choice=choice)
-    flags = run_flags(settings, prepared.model_config)
     raw, path, host = prepared.raw_config, prepared.config_path, prepared.host
     cfg, switches = resolve_config(
-        settings,
+        config,
         precisions.apply(raw, choice.name),
-        flags,
         path,
         host,
         prepared.shape,
         prepared.model_config,
     )
-    check_engine(settings, cfg, path, choice.name)
-    if settings.backend == "deepspeed":
+    check_engine(config, cfg, path, choice.name)
+    if config.engine.backend == "deepspeed":
         background = background_bytes(prepared.followups, prepared.shape.params)
-        check_memory(settings, cfg, path, prepared.shape, host.world, host.ranks_here, background)
+        check_memory(config, cfg, path, prepared.shape, host.world, host.ranks_here, background)
     return replace(
         prepared, ds_config=cfg, switches=switches, precision=choice.name, precision_choice=choice
     )
 
 
 def resolve_config(
-    settings: Settings, raw: dict, flags: dict, cfg_path: str, host, shape, model_cfg
+    config: RunConfig, raw: dict, cfg_path: str, host, shape, model_cfg
 ) -> tuple[dict, Switches]:
     """The DeepSpeed config with every "auto" resolved, and the switches decided on it. ZeRO-3's
     "auto" persistence threshold covers the whole model when the weights are held, so a held
     run's config is resolved once more with that."""
     kw = dict(
         world=host.world,
-        flags=flags,
+        optim=config.optim,
+        engine=config.engine,
+        activation_checkpointing=config.model.activation_checkpointing,
+        swap=nvme.auto_values(config.engine.nvme_path, Path(config.out), model_cfg),
         hidden_size=model_cfg.hidden_size,
         source=cfg_path,
         device_type=host.device_type,
@@ -300,7 +307,7 @@ def resolve_config(
     cfg = ds_config.resolve(raw, **kw)
     ours = getattr(model_cfg, "model_type", "?") in ("zerostack", "llama")
     precision = ds_config.precision(cfg)
-    switches = resolve_switches(settings, cfg, host, shape.params, ours=ours, precision=precision)
+    switches = resolve_switches(config, cfg, host, shape.params, ours=ours, precision=precision)
     if switches.hold_weights and ds_config.zero_stage(cfg) == 3:
         cfg = ds_config.resolve(raw, hold_weights=True, **kw)
     return cfg, switches

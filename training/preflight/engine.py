@@ -6,29 +6,28 @@ from __future__ import annotations
 from data.manifest import DataError
 from models import PRESETS
 from models.errors import ModelError
-from models.lora import LoraSpec, parse_lora
 from training.errors import ConfigError
 from training.memory.plan import ModelShape, with_lora
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, parallel
-from training.settings.flags import Settings
+from training.settings.config import RunConfig
 
 
-def check_engine(settings: Settings, cfg: dict, cfg_path: str, precision: str) -> None:
+def check_engine(config: RunConfig, cfg: dict, cfg_path: str, precision: str) -> None:
     """What the chosen backend cannot do with this config on this device."""
-    if settings.backend == "deepspeed" and precision == "fp16":
+    if config.engine.backend == "deepspeed" and precision == "fp16":
         acc = accelerator()
         if not acc.is_fp16_supported():
             raise ConfigError(
                 f"{cfg_path}: fp16 is not supported on this device ({acc.device_name()}: no "
                 "fp16 kernels); use a bf16 config such as ds_configs/zero2.json, or fp32.json"
             )
-    if settings.backend != "deepspeed" and ds_config.pipeline_stages(cfg) > 1:
+    if config.engine.backend != "deepspeed" and ds_config.pipeline_stages(cfg) > 1:
         raise ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
 
 
 def check_parallel(
-    settings: Settings, cfg: dict, layout: parallel.Layout, model_cfg, cfg_path: str
+    config: RunConfig, cfg: dict, layout: parallel.Layout, model_cfg, cfg_path: str
 ) -> None:
     """What tensor and sequence parallelism need of the model (settings/parallel.py)."""
     if layout.tensor == 1 and layout.sequence == 1:
@@ -39,20 +38,20 @@ def check_parallel(
         layout,
         heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        seq_len=settings.seq_len,
+        seq_len=config.data.seq_len,
         source=cfg_path,
     )
     own_plan = {"partition_config", "preset_model"} & set(cfg.get("tensor_parallel", {}))
     if layout.tensor > 1 and not own_plan:  # the config's own plan wins over the model's
-        check_tp_plan(model_cfg, settings.model, cfg_path)
-    if layout.sequence > 1 and settings.doc_mask:
+        check_tp_plan(model_cfg, config.model.name, cfg_path)
+    if layout.sequence > 1 and config.data.doc_mask:
         raise ConfigError(
             f"{cfg_path}: --doc-mask with sequence_parallel_size > 1: Ulysses attends over the "
             "whole gathered sequence with the causal flag only; drop --doc-mask"
         )
 
 
-def check_chat_data(settings: Settings, cfg: dict, cfg_path: str, manifest) -> None:
+def check_chat_data(config: RunConfig, cfg: dict, cfg_path: str, manifest) -> None:
     """What chat data (a loss mask, one example per sample, or packed with --doc-mask) does not
     compose with: the loop weighs the loss by trained tokens through the engine's micro-batch
     loss, which the pipeline engine does not expose and Ulysses splits across ranks; packing
@@ -69,12 +68,14 @@ def check_chat_data(settings: Settings, cfg: dict, cfg_path: str, manifest) -> N
             f"{cfg_path}: chat data with sequence_parallel_size > 1 is not supported; use a "
             "config without sequence parallelism"
         )
-    if settings.doc_mask:  # packed: the data's EOS must mark only where examples end
+    if config.data.doc_mask:  # packed: the data's EOS must mark only where examples end
         from data.examples import ExampleDataset, separator_problem
 
         for split in ("train", "val"):
             try:
-                problem = separator_problem(ExampleDataset(settings.data, split, settings.seq_len))
+                problem = separator_problem(
+                    ExampleDataset(config.data.path, split, config.data.seq_len)
+                )
             except DataError:
                 continue  # an empty split: nothing to pack
             if problem:
@@ -82,23 +83,19 @@ def check_chat_data(settings: Settings, cfg: dict, cfg_path: str, manifest) -> N
 
 
 def check_lora(
-    settings: Settings, cfg: dict, cfg_path: str, model_cfg, shape: ModelShape
-) -> tuple[LoraSpec | None, ModelShape]:
-    """--lora parsed and checked against the engine and the model (every target matches a
-    module); returns the spec (None without --lora) and the shape with only the adapters
-    trained, which the memory plan counts."""
-    if settings.lora is None:
-        return None, shape
-    try:
-        spec = parse_lora(settings.lora)
-    except ModelError as e:
-        raise ConfigError(str(e)) from None
-    if settings.model in PRESETS:
+    config: RunConfig, cfg: dict, cfg_path: str, model_cfg, shape: ModelShape
+) -> ModelShape:
+    """--lora checked against the engine and the model (every target matches a module);
+    returns the shape with only the adapters trained, which the memory plan counts."""
+    spec = config.model.lora
+    if spec is None:
+        return shape
+    if config.model.name in PRESETS:
         raise ConfigError(
-            f"--lora trains adapters on a pretrained model; --model {settings.model} is a freshly "
+            f"--lora trains adapters on a pretrained model; --model {config.model.name} is a freshly "
             "initialised preset: give --model FOLDER (an export, or any HF causal LM)"
         )
-    if settings.backend == "fsdp":
+    if config.engine.backend == "fsdp":
         raise ConfigError("--lora with --backend fsdp is not supported; use deepspeed or ddp")
     if ds_config.pipeline_stages(cfg) > 1 or parallel.tensor_size(cfg) > 1:
         raise ConfigError(
@@ -108,9 +105,9 @@ def check_lora(
     if parallel.sequence_size(cfg) > 1:
         raise ConfigError(f"{cfg_path}: --lora with sequence_parallel_size > 1 is not supported")
     try:
-        return spec, with_lora(shape, model_cfg, spec)
+        return with_lora(shape, model_cfg, spec)
     except ModelError as e:
-        raise ConfigError(f"--model {settings.model}: {e}") from None
+        raise ConfigError(f"--model {config.model.name}: {e}") from None
 
 
 def check_tp_plan(model_cfg, model: str, cfg_path: str) -> None:

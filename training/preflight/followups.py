@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from training.errors import ConfigError, EvalError
 from training.loop.followups import Job
-from training.settings.flags import Settings
+from training.settings.config import RunConfig
 
 # A background export or universal conversion holds at most about two fp32 copies of the
 # weights (the checkpoint's, read a parameter at a time, and the model it verifies against);
@@ -14,38 +14,46 @@ from training.settings.flags import Settings
 BYTES_PER_PARAM = 8
 
 
-def plan_followups(settings: Settings) -> tuple[Job, ...]:
+def plan_followups(config: RunConfig) -> tuple[Job, ...]:
     """The background jobs the flags ask for, checked; ConfigError in one line."""
     jobs = []
-    if settings.export_every:
-        jobs.append(Job("export", _every(settings, "export-every", settings.export_every)))
-    if settings.universal_every:
-        if settings.backend != "deepspeed":
+    if config.followups.export_every:
+        jobs.append(Job("export", _every(config, "export-every", config.followups.export_every)))
+    if config.followups.universal_every:
+        if config.engine.backend != "deepspeed":
             raise ConfigError(
-                f"--universal-every: a {settings.backend} checkpoint loads on any world size as "
+                f"--universal-every: a {config.engine.backend} checkpoint loads on any world size as "
                 "it is; universal copies are for --backend deepspeed"
             )
-        jobs.append(Job("universal", _every(settings, "universal-every", settings.universal_every)))
-    if settings.eval_tasks is not None or settings.eval_tasks_every:
-        names = tuple(t.strip() for t in (settings.eval_tasks or "").split(",") if t.strip())
-        if settings.eval_tasks is not None and not names:
+        jobs.append(
+            Job("universal", _every(config, "universal-every", config.followups.universal_every))
+        )
+    if config.followups.eval_tasks is not None or config.followups.eval_tasks_every:
+        names = tuple(
+            t.strip() for t in (config.followups.eval_tasks or "").split(",") if t.strip()
+        )
+        if config.followups.eval_tasks is not None and not names:
             raise ConfigError("--eval-tasks: give task names, comma-separated")
         names = names or _local_tasks()
         check_task_names(names)
-        every = settings.eval_tasks_every or max(settings.save_every, 0) or settings.steps
-        every = _every(settings, "eval-tasks-every", every)
-        jobs.append(Job("tasks", every, names, settings.eval_tasks_limit))
-    elif settings.eval_tasks_limit is not None:
+        every = (
+            config.followups.eval_tasks_every
+            or max(config.checkpoint.save_every, 0)
+            or config.optim.steps
+        )
+        every = _every(config, "eval-tasks-every", every)
+        jobs.append(Job("tasks", every, names, config.followups.eval_tasks_limit))
+    elif config.followups.eval_tasks_limit is not None:
         raise ConfigError("--eval-tasks-limit needs --eval-tasks or --eval-tasks-every")
     return tuple(jobs)
 
 
-def _every(settings: Settings, flag: str, n: int) -> int:
-    if settings.save_every == -1:
+def _every(config: RunConfig, flag: str, n: int) -> int:
+    if config.checkpoint.save_every == -1:
         raise ConfigError(f"--{flag} {n}: --save-every -1 saves no checkpoint to work on")
-    if settings.save_every > 0 and n % settings.save_every:
+    if config.checkpoint.save_every > 0 and n % config.checkpoint.save_every:
         raise ConfigError(
-            f"--{flag} {n}: must be a multiple of --save-every {settings.save_every} (only those "
+            f"--{flag} {n}: must be a multiple of --save-every {config.checkpoint.save_every} (only those "
             "steps have a checkpoint)"
         )
     return n

@@ -5,11 +5,11 @@ from __future__ import annotations
 from training.errors import ConfigError
 from training.memory import oom, plan
 from training.settings import ds_config, nvme, parallel
-from training.settings.flags import Settings
+from training.settings.config import RunConfig
 
 
 def check_memory(
-    settings: Settings,
+    config: RunConfig,
     cfg: dict,
     cfg_path: str,
     shape,
@@ -22,14 +22,16 @@ def check_memory(
     The plan's advice is kept for a rank that runs out of memory later (training/guard.py).
     `background`: what rank 0's background work on checkpoints adds to its host
     (preflight/followups.py)."""
-    verdict = _verdict(settings, cfg, cfg_path, shape, world, ranks_per_host, settings.async_save)
+    verdict = _verdict(
+        config, cfg, cfg_path, shape, world, ranks_per_host, config.checkpoint.async_save
+    )
     oom.remember(verdict.advice())
-    if verdict.fits and background and not settings.force:
+    if verdict.fits and background and not config.host.force:
         _check_background(verdict, background, cfg_path)
-    if verdict.fits or settings.force:
+    if verdict.fits or config.host.force:
         return
-    if settings.async_save:
-        sync = _verdict(settings, cfg, cfg_path, shape, world, ranks_per_host, False)
+    if config.checkpoint.async_save:
+        sync = _verdict(config, cfg, cfg_path, shape, world, ranks_per_host, False)
         if sync.fits:
             staging = verdict.plan.per_rank["staging"]["host"]
             raise ConfigError(
@@ -40,7 +42,7 @@ def check_memory(
     raise ConfigError(verdict.refusal())
 
 
-def _verdict(settings, cfg, cfg_path, shape, world, ranks_per_host, async_save):
+def _verdict(config, cfg, cfg_path, shape, world, ranks_per_host, async_save):
     zero = cfg.get("zero_optimization", {})
     swap = next((zero[s]["nvme_path"] for s in nvme.nvme_sections(cfg)), None)
     return plan.check_run(
@@ -50,12 +52,14 @@ def _verdict(settings, cfg, cfg_path, shape, world, ranks_per_host, async_save):
         config_name=cfg_path,
         # Ulysses: each rank's activations cover its slice of the sequence. (Tensor
         # parallelism is planned as data parallelism: an overestimate of its model states.)
-        seq_len=settings.seq_len // parallel.sequence_size(cfg),
-        activation_checkpointing=ds_config.activation_checkpointing(cfg, settings.as_flags()),
+        seq_len=config.data.seq_len // parallel.sequence_size(cfg),
+        activation_checkpointing=ds_config.activation_checkpointing(
+            cfg, config.model.activation_checkpointing
+        ),
         ranks_per_host=ranks_per_host,
         nvme_dir=swap,
-        host_mem_gib=settings.host_mem_gib,
-        device_mem_gib=settings.device_mem_gib,
+        host_mem_gib=config.host.host_mem_gib,
+        device_mem_gib=config.host.device_mem_gib,
         async_save=async_save,
     )
 

@@ -13,7 +13,7 @@ from models import PRESETS, ModelError, cpu_attention, get_config
 from models.hub import resolve_pretrained
 from training.errors import ConfigError
 from training.runtime import safe_load
-from training.settings.flags import Settings
+from training.settings.config import RunConfig
 
 
 def model_overrides(spec: str, seq_len: int) -> dict:
@@ -80,69 +80,69 @@ def check_weight_shapes(spec: str, path: Path, config) -> None:
         )
 
 
-def check_lengths(settings: Settings, model_cfg, manifest) -> None:
+def check_lengths(config: RunConfig, model_cfg, manifest) -> None:
     """--seq-len against the model's positions and each split's tokens (one window needs
     seq_len + 1)."""
     positions = getattr(model_cfg, "max_position_embeddings", None)
-    if isinstance(positions, int) and settings.seq_len > positions:
+    if isinstance(positions, int) and config.data.seq_len > positions:
         raise ConfigError(
-            f"--seq-len {settings.seq_len} is longer than --model {settings.model}'s "
+            f"--seq-len {config.data.seq_len} is longer than --model {config.model.name}'s "
             f"{positions} positions (max_position_embeddings); use --seq-len {positions} or less"
         )
     if getattr(manifest, "chat", None) is not None:
         return  # one example per sample: data.load_data checked each fits seq_len + 1
     for name, split in getattr(manifest, "splits", {}).items():
         tokens = getattr(split, "tokens", None)
-        if isinstance(tokens, int) and tokens < settings.seq_len + 1:
+        if isinstance(tokens, int) and tokens < config.data.seq_len + 1:
             raise ConfigError(
-                f"--seq-len {settings.seq_len}: the {name} split of {settings.data} has "
+                f"--seq-len {config.data.seq_len}: the {name} split of {config.data.path} has "
                 f"{tokens} tokens, too few for one window of seq_len + 1; use --seq-len "
                 f"{max(2, tokens - 1)} or less, or more data"
             )
 
 
-def check_model(settings: Settings, model_cfg, manifest, stages: int, cfg_path: str) -> None:
+def check_model(config: RunConfig, model_cfg, manifest, stages: int, cfg_path: str) -> None:
     """The model against the data, the attention kernel and the pipeline: pipelining cuts our
     model (a preset, our folder or a Llama folder) between its blocks."""
     kind = getattr(model_cfg, "model_type", "?")
     ours = kind in ("zerostack", "llama")
-    if settings.attention in ("explicit", "flash") and not ours:
+    if config.model.attention in ("explicit", "flash") and not ours:
         raise ConfigError(
-            f"--attention {settings.attention}: {settings.model} is a {kind} model; that kernel "
+            f"--attention {config.model.attention}: {config.model.name} is a {kind} model; that kernel "
             "is our model's (presets, our exports, Llama folders). Drop the flag"
         )
-    if settings.attention == "flash" and settings.doc_mask:
+    if config.model.attention == "flash" and config.data.doc_mask:
         raise ConfigError(
             "--attention flash with --doc-mask: the flash kernel is causal only; drop one "
             "(--attention auto picks a kernel that takes the documents' mask)"
         )
-    if settings.attention == "flash" and (why := cpu_attention.available()) is not None:
+    if config.model.attention == "flash" and (why := cpu_attention.available()) is not None:
         raise ConfigError(f"--attention flash: not on this host: {why}. Use --attention sdpa")
-    if settings.doc_mask and not ours:
+    if config.data.doc_mask and not ours:
         raise ConfigError(
-            f"--doc-mask: {settings.model} is a {kind} model; document masking is our model's "
+            f"--doc-mask: {config.model.name} is a {kind} model; document masking is our model's "
             "(presets, our exports, Llama folders): transformers' SDPA models ignore document "
             "boundaries in position_ids. Drop the flag"
         )
-    if settings.doc_mask and stages > 1:
+    if config.data.doc_mask and stages > 1:
         raise ConfigError(
             f"{cfg_path}: --doc-mask does not reach the pipeline's stages (only hidden states "
             "travel between them); drop --doc-mask or use a non-pipeline config"
         )
     if getattr(model_cfg, "vocab_size", manifest.vocab_size) < manifest.vocab_size:
         raise ConfigError(
-            f"--model {settings.model}: its vocabulary has {model_cfg.vocab_size} tokens but the data in "
-            f"{settings.data} uses {manifest.vocab_size}; prepare the data with that model's tokenizer"
+            f"--model {config.model.name}: its vocabulary has {model_cfg.vocab_size} tokens but the data in "
+            f"{config.data.path} uses {manifest.vocab_size}; prepare the data with that model's tokenizer"
         )
     if stages <= 1:
         return
     if not ours:
         raise ModelError(
-            f"--model {settings.model}: pipelining needs our model (a preset, a zerostack folder or a "
+            f"--model {config.model.name}: pipelining needs our model (a preset, a zerostack folder or a "
             f"Llama folder); this is a {kind!r} model, which cannot be cut into stages. Use a "
             "non-pipeline config such as ds_configs/zero1.json"
         )
-    if settings.compile:  # asked for (the default leaves pipelines eager)
+    if config.model.compile:  # asked for (the default leaves pipelines eager)
         raise ConfigError(
             f"{cfg_path}: --compile does not reach the pipeline's stages (it compiles the built "
             "model's blocks); drop --compile or use a non-pipeline config"

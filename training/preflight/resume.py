@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models import from_llama_config
-from models.lora import parse_lora
+from models.lora import LoraSpec, parse_lora
 from training.checkpoints.resume import ResumePlan
 from training.errors import CheckpointError
 
@@ -23,14 +23,16 @@ SHAPE_KEYS = (
 )
 
 
-def check_resume_shape(plan: ResumePlan, model_cfg, model: str, lora: str | None = None) -> None:
+def check_resume_shape(
+    plan: ResumePlan, model_cfg, model: str, lora: LoraSpec | None = None
+) -> None:
     """The checkpoint's recorded model config (and --lora spec) against the requested one,
     before ranks start (a state-dict traceback on every rank otherwise)."""
     state = plan.trainer_state()
-    if "lora" in state and parse(state["lora"]) != parse(lora):
+    if "lora" in state and parse(state["lora"]) != lora:
         raise CheckpointError(
             f"{plan.root / plan.tag} was trained with --lora {state['lora']}, this run asks for "
-            f"--lora {lora}; resume with the same --lora, or start a new run in another --out"
+            f"--lora {lora and lora.as_text()}; resume with the same --lora, or start a new run in another --out"
         )
     saved = state.get("model_config")
     if not isinstance(saved, dict):

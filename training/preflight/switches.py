@@ -21,7 +21,8 @@ from training.memory import plan
 from training.preflight.hosts import host_layout
 from training.runtime import patches
 from training.settings import ds_config, parallel
-from training.settings.flags import Settings, auto_unless
+from training.settings.config import RunConfig
+from training.settings.flags import auto_unless
 
 GiB = 2**30
 # Compiling the blocks costs its first step 17-25 s on a 2-core CPU (small preset; 18.6 s in
@@ -67,15 +68,15 @@ def ranks_on_this_host(world: int) -> int:
     return host_layout(world).ranks_here
 
 
-def this_host(settings: Settings, device_type: str, world: int) -> Host:
-    gib = settings.host_mem_gib
+def this_host(config: RunConfig, device_type: str, world: int) -> Host:
+    gib = config.host.host_mem_gib
     memory = int(gib * GiB) if gib else psutil.virtual_memory().total
     layout = host_layout(world)
     return Host(device_type, world, layout.ranks_here, memory, layout.launcher)
 
 
 def resolve_switches(
-    settings: Settings, cfg: dict, host: Host, params: int, *, ours: bool, precision: str
+    config: RunConfig, cfg: dict, host: Host, params: int, *, ours: bool, precision: str
 ) -> Switches:
     """Each switch's flag, with "auto" decided where it was measured to win (docs/benchmarks.md
     has each measurement): `cfg` is the resolved DeepSpeed config, `params` the model's count."""
@@ -89,17 +90,17 @@ def resolve_switches(
         ("shm_collectives", _shm_collectives),
         ("keep_freed_memory", _keep_freed_memory),
     ):
-        values[name], why[name] = resolve(settings, cfg, host, params, ours, precision)
+        values[name], why[name] = resolve(config, cfg, host, params, ours, precision)
     return Switches(**values, why=why)
 
 
-def _compile(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
-    if settings.compile is not None:
-        return settings.compile, "--compile" if settings.compile else "--no-compile"
-    if settings.lora is not None:
+def _compile(config, cfg, host, params, ours, precision) -> tuple[bool, str]:
+    if config.model.compile is not None:
+        return config.model.compile, "--compile" if config.model.compile else "--no-compile"
+    if config.model.lora is not None:
         return False, "--lora (unmeasured)"
-    checkpointing = ds_config.activation_checkpointing(cfg, settings.as_flags())
-    steps = min(settings.steps, settings.stop_at or settings.steps)
+    checkpointing = ds_config.activation_checkpointing(cfg, config.model.activation_checkpointing)
+    steps = min(config.optim.steps, config.checkpoint.stop_at or config.optim.steps)
     return compile_by_default(cfg, host.device_type, checkpointing, ours=ours, steps=steps)
 
 
@@ -136,7 +137,7 @@ def compile_by_default(
     )
 
 
-def _hold_weights(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+def _hold_weights(config, cfg, host, params, ours, precision) -> tuple[bool, str]:
     """ZeRO-3: the whole model under the persistence threshold, so every weight stays gathered
     across the micro-steps of a step and is gathered once after the optimizer step
     (memory/plan.py: zero3_holds_whole). FSDP2: the last micro-step's gathered weights and whole
@@ -144,45 +145,45 @@ def _hold_weights(settings, cfg, host, params, ours, precision) -> tuple[bool, s
     host, and only when what is held fits (both are also how a model too big for ZeRO-2/DDP
     fits)."""
     stage = ds_config.zero_stage(cfg)
-    zero3 = settings.backend == "deepspeed" and stage == 3
-    fsdp = settings.backend == "fsdp"
+    zero3 = config.engine.backend == "deepspeed" and stage == 3
+    fsdp = config.engine.backend == "fsdp"
     if not (zero3 or fsdp):
-        if settings.hold_weights == "on":
+        if config.host.hold_weights == "on":
             raise ConfigError(
                 f"--hold-weights on: only ZeRO-3 and FSDP2 hold weights (this is --backend "
-                f"{settings.backend}, ZeRO-{stage}); drop the flag"
+                f"{config.engine.backend}, ZeRO-{stage}); drop the flag"
             )
         return False, "not ZeRO-3 or FSDP2"
     if fsdp:  # what no flag can change: nothing to hold across, or shards live in host memory
         if int(cfg.get("gradient_accumulation_steps", 1)) == 1:
             return False, "FSDP2 without accumulation: nothing to hold across"
-        if settings.fsdp_cpu_offload:
+        if config.engine.fsdp_cpu_offload:
             return False, "--fsdp-cpu-offload: the shards live in host memory"
-    if settings.hold_weights != "auto":
-        return settings.hold_weights == "on", f"--hold-weights {settings.hold_weights}"
+    if config.host.hold_weights != "auto":
+        return config.host.hold_weights == "on", f"--hold-weights {config.host.hold_weights}"
     where = (host.world, host.ranks_here, host.memory_bytes, host.device_type)
     if zero3:
         return plan.zero3_holds_whole(cfg, params, *where)
     return plan.one_cpu_host_holds(6 * params, *where)  # bf16 weights and fp32 gradients
 
 
-def _zero3_whole_blocks(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+def _zero3_whole_blocks(config, cfg, host, params, ours, precision) -> tuple[bool, str]:
     """ZeRO-3 gathers and releases each transformer block as one unit (one pair of hooks, not
     one per linear layer); not with parameters on NVMe (a block at once needs more swap buffers
     than the config gives), not on GPUs (unmeasured)."""
     zero = cfg.get("zero_optimization", {})
-    if settings.backend != "deepspeed" or ds_config.zero_stage(cfg) != 3:
-        if settings.zero3_whole_blocks == "on":
+    if config.engine.backend != "deepspeed" or ds_config.zero_stage(cfg) != 3:
+        if config.host.zero3_whole_blocks == "on":
             raise ConfigError("--zero3-whole-blocks on: the run is not ZeRO-3; drop the flag")
         return False, "not ZeRO-3"
-    if settings.lora is not None:  # peft's adapter layers inside a leaf block: their
+    if config.model.lora is not None:  # peft's adapter layers inside a leaf block: their
         # partitioned weights are not gathered again for the backward (DeepSpeed 0.19)
-        if settings.zero3_whole_blocks == "on":
+        if config.host.zero3_whole_blocks == "on":
             raise ConfigError("--zero3-whole-blocks on with --lora is not supported; drop it")
         return False, "--lora: adapters inside a block are gathered per layer"
-    if settings.zero3_whole_blocks != "auto":
-        on = settings.zero3_whole_blocks == "on"
-        return on, f"--zero3-whole-blocks {settings.zero3_whole_blocks}"
+    if config.host.zero3_whole_blocks != "auto":
+        on = config.host.zero3_whole_blocks == "on"
+        return on, f"--zero3-whole-blocks {config.host.zero3_whole_blocks}"
     nvme = zero.get("offload_param", {}).get("device") == "nvme"
     return auto_unless(
         [
@@ -193,17 +194,17 @@ def _zero3_whole_blocks(settings, cfg, host, params, ours, precision) -> tuple[b
     )
 
 
-def _grad_sum(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+def _grad_sum(config, cfg, host, params, ours, precision) -> tuple[bool, str]:
     """ZeRO-1/2 sum gradients across ranks (DeepSpeed's "gradient_allreduce_op": "sum") over a
     loss divided by the data-parallel world, rather than DeepSpeed dividing each reduce bucket:
     the same gradients (to the bit for a world that is a power of two). On a CPU (measured),
     without tensor or sequence parallelism, not fp16 (its loss scale), and not when the config
     names its own gradient_allreduce_op."""
-    if settings.grad_sum == "off":
+    if config.host.grad_sum == "off":
         return False, "--grad-sum off"
     return auto_unless(
         [
-            (settings.backend != "deepspeed", "not DeepSpeed"),
+            (config.engine.backend != "deepspeed", "not DeepSpeed"),
             (ds_config.zero_stage(cfg) not in (1, 2), "not ZeRO-1/2"),
             (ds_config.pipeline_stages(cfg) > 1, "pipeline"),
             (host.device_type != "cpu", f"{host.device_type}, not a CPU (unmeasured)"),
@@ -217,15 +218,15 @@ def _grad_sum(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
     )
 
 
-def _shm_collectives(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+def _shm_collectives(config, cfg, host, params, ours, precision) -> tuple[bool, str]:
     """DeepSpeed's and FSDP2's collectives through DeepSpeed's shared-memory kernel: every rank
     on one CPU host. Whether the kernel and its segments are there is known only once the
     process group is up (runtime/shm.py; the record's `shm_collectives` says what happened)."""
-    if settings.shm_collectives == "off":
+    if config.host.shm_collectives == "off":
         return False, "--shm-collectives off"
     return auto_unless(
         [
-            (settings.backend == "ddp", "DDP (its own reducer)"),
+            (config.engine.backend == "ddp", "DDP (its own reducer)"),
             (host.world == 1, "one rank"),
             (host.device_type != "cpu", f"{host.device_type}, not a CPU"),
             (
@@ -238,10 +239,10 @@ def _shm_collectives(settings, cfg, host, params, ours, precision) -> tuple[bool
     )
 
 
-def _keep_freed_memory(settings, cfg, host, params, ours, precision) -> tuple[bool, str]:
+def _keep_freed_memory(config, cfg, host, params, ours, precision) -> tuple[bool, str]:
     """glibc keeps freed blocks up to 32 MiB on the heap and never trims it, so a step does not
     page-fault its working set in again (runtime/distributed.py: keep_freed_memory)."""
-    if settings.cpu_malloc == "default":
+    if config.host.cpu_malloc == "default":
         return False, "--cpu-malloc default"
     if host.device_type != "cpu":
         return False, f"auto: {host.device_type}, not a CPU"

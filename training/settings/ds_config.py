@@ -1,7 +1,7 @@
 """One rule for a run's settings.
 
-Values come from the DeepSpeed JSON file first; then the CLI flags that name a key override it
-(`FLAG_KEYS` says which; the optimizer's numbers and the schedule follow the same rule in
+Values come from the DeepSpeed JSON file first; then the settings that name a key override it
+(`overridden_keys` says which; the optimizer's numbers and the schedule follow the same rule in
 hparams.py); then every "auto" is resolved; then the batch triplet
 `train_batch_size = micro_batch x grad_accum x data_parallel_world` is derived and checked here
 and nowhere else (the data-parallel world: settings/parallel.py). Every key is applied or refused (sections.py), and the sections DeepSpeed
@@ -18,6 +18,7 @@ from typing import Any
 
 from training.errors import ConfigError
 from training.settings import hparams, parallel, sections
+from training.settings.config import EngineConfig, OptimConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"  # the shipped configs
 
@@ -84,15 +85,9 @@ KNOWN_KEYS = {
     "sequence_parallel_size",
 }
 
-# CLI flag (argparse dest) -> the DeepSpeed key it overrides.
-FLAG_KEYS = {
-    "micro_batch": "train_micro_batch_size_per_gpu",
-    "grad_accum": "gradient_accumulation_steps",
-    "global_batch": "train_batch_size",
-    "grad_clip": "gradient_clipping",
-}
-
 DEFAULT_MICRO_BATCH = 4
+DEFAULT_GRAD_CLIP = 1.0  # gradient_clipping "auto"
+DEFAULT_NVME_BUFFER = 10**8  # offload_param.buffer_size "auto" without a model (DeepSpeed's)
 
 # Every "auto" the trainer knows how to fill (resolve below; the scheduler's in hparams.py).
 AUTO_KEYS = {
@@ -170,31 +165,38 @@ def resolve(
     cfg: dict,
     *,
     world: int,
-    flags: dict[str, Any],
     hidden_size: int,
+    optim: OptimConfig = OptimConfig(),
+    engine: EngineConfig = EngineConfig(),
+    activation_checkpointing: bool = False,
+    swap: tuple[str, int] | None = None,
     source: str = "config",
     device_type: str = "cuda",
     params: int | None = None,
     hold_weights: bool = False,
 ) -> dict:
-    """Apply flag overrides, resolve every "auto", derive and check the batch triplet.
+    """Apply the settings that override keys, resolve every "auto", derive and check the batch
+    triplet.
 
-    `flags` holds the trainer's values (argparse dests); a None value means "not given".
-    `device_type` is the accelerator's ("cpu", "cuda", ...): some defaults depend on it.
-    `params` is the model's parameter count, where known, and `hold_weights` whether ZeRO-3 keeps
-    them all gathered (its "auto" persistence threshold then covers the model).
+    `optim` and `engine` are the run's sections (a None setting is "not given");
+    `activation_checkpointing` the model section's switch; `swap` ZeRO-Infinity's swap folder
+    and parameter buffer size (nvme.py: auto_values). `device_type` is the accelerator's
+    ("cpu", "cuda", ...): some defaults depend on it. `params` is the model's parameter count,
+    where known, and `hold_weights` whether ZeRO-3 keeps them all gathered (its "auto"
+    persistence threshold then covers the model).
     Returns a new dict ready for `deepspeed.initialize` (no "auto" left anywhere)."""
-    cfg = precheck(cfg, flags=flags, source=source, device_type=device_type)
-    optimizer = hparams.resolve_optimizer(cfg, flags, flags.get("backend", "deepspeed"), source)
+    cfg = precheck(cfg, optim=optim, engine=engine, source=source, device_type=device_type)
+    optimizer = hparams.resolve_optimizer(cfg, optim, engine.backend, source)
 
-    _resolve_pipeline(cfg, flags, source)
+    _resolve_pipeline(cfg, engine, activation_checkpointing, source)
     precision(cfg, source)  # refuses fp16 + bf16 together
     _check_combinations(cfg, source)
     _derive_batch(cfg, parallel.layout(cfg, world, source).data, source)
 
     # Settings the trainer owns, written into DeepSpeed's sections where they are "auto".
+    swap_path, swap_buffer = swap or ("nvme_swap", DEFAULT_NVME_BUFFER)
     autos = {
-        "gradient_clipping": flags.get("grad_clip_default", 1.0),
+        "gradient_clipping": DEFAULT_GRAD_CLIP,
         "optimizer.params.lr": optimizer["lr"],
         "optimizer.params.betas": optimizer["betas"],
         "optimizer.params.eps": optimizer["eps"],
@@ -209,52 +211,66 @@ def resolve(
         "fp16.enabled": False,
         # ZeRO-Infinity: the swap folder (--nvme-path, default RUN/nvme_swap) and a parameter
         # swap buffer that holds the largest parameter (nvme.py)
-        "zero_optimization.offload_optimizer.nvme_path": flags.get("nvme_path") or "nvme_swap",
-        "zero_optimization.offload_param.nvme_path": flags.get("nvme_path") or "nvme_swap",
-        "zero_optimization.offload_param.buffer_size": flags.get("nvme_buffer_size") or 10**8,
+        "zero_optimization.offload_optimizer.nvme_path": swap_path,
+        "zero_optimization.offload_param.nvme_path": swap_path,
+        "zero_optimization.offload_param.buffer_size": swap_buffer,
     }
     for path, _value in _auto_paths(cfg):
         if path not in autos or autos[path] is None or autos[path] == [None, None]:
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
         _set(cfg, path, autos[path])
-    hparams.resolve_schedule(cfg, flags, optimizer["lr"], flags.get("steps", 1), source)
+    hparams.resolve_schedule(cfg, optim, optimizer["lr"], source)
     return cfg
 
 
-def hyperparameters(cfg: dict, flags: dict[str, Any], source: str = "config") -> tuple[dict, dict]:
+def hyperparameters(
+    cfg: dict, optim: OptimConfig, backend: str, source: str = "config"
+) -> tuple[dict, dict]:
     """From a resolved config: the optimizer's {lr, betas, eps, weight_decay} and the schedule's
     fields (training/loop/schedule.py `Schedule`), by the same rule `resolve` applied."""
     cfg = copy.deepcopy(cfg)
-    optimizer = hparams.resolve_optimizer(cfg, flags, flags.get("backend", "deepspeed"), source)
-    schedule = hparams.resolve_schedule(cfg, flags, optimizer["lr"], flags["steps"], source)
+    optimizer = hparams.resolve_optimizer(cfg, optim, backend, source)
+    schedule = hparams.resolve_schedule(cfg, optim, optimizer["lr"], source)
     return optimizer, schedule
 
 
-def activation_checkpointing(cfg: dict, flags: dict[str, Any]) -> bool:
+def activation_checkpointing(cfg: dict, flag: bool) -> bool:
     """--activation-checkpointing, or an activation_checkpointing section in the config."""
-    return bool(flags.get("activation_checkpointing")) or "activation_checkpointing" in cfg
+    return flag or "activation_checkpointing" in cfg
 
 
-def precheck(cfg: dict, *, flags: dict[str, Any], source: str, device_type: str) -> dict:
-    """What can be checked of a config before the model and data are known: its keys, the flags
-    that override them, DeepSpeed's own models, and that every key is applied. Returns a copy
-    with the flags applied."""
+def precheck(
+    cfg: dict, *, optim: OptimConfig, engine: EngineConfig, source: str, device_type: str
+) -> dict:
+    """What can be checked of a config before the model and data are known: its keys, the
+    settings that override them, DeepSpeed's own models, and that every key is applied. Returns
+    a copy with the settings applied."""
     cfg = check_keys(copy.deepcopy(cfg), source)
-    for flag, key in FLAG_KEYS.items():
-        if flags.get(flag) is not None:
-            cfg[key] = flags[flag]
-    backend = flags.get("backend", "deepspeed")
+    for key, value in overridden_keys(optim).items():
+        if value is not None:
+            cfg[key] = value
+    backend = engine.backend
     sections.check_stage(cfg, source)
     sections.validate_with_deepspeed(cfg, source)
     sections.check_applied(
-        cfg, backend=backend, steps=flags.get("steps", 1), device_type=device_type, source=source
+        cfg, backend=backend, steps=optim.steps, device_type=device_type, source=source
     )
     for path, _value in _auto_paths(cfg):
         if path not in AUTO_KEYS:
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
-    hparams.resolve_optimizer(copy.deepcopy(cfg), flags, backend, source)
-    hparams.resolve_schedule(copy.deepcopy(cfg), flags, 1e-3, flags.get("steps", 1), source)
+    hparams.resolve_optimizer(copy.deepcopy(cfg), optim, backend, source)
+    hparams.resolve_schedule(copy.deepcopy(cfg), optim, 1e-3, source)
     return cfg
+
+
+def overridden_keys(optim: OptimConfig) -> dict:
+    """{DeepSpeed key: the optim section's value for it} (None: not given, the file's stands)."""
+    return {
+        "train_micro_batch_size_per_gpu": optim.micro_batch,
+        "gradient_accumulation_steps": optim.grad_accum,
+        "train_batch_size": optim.global_batch,
+        "gradient_clipping": optim.grad_clip,
+    }
 
 
 # glibc serves a block of 32 MiB or more (its largest mmap threshold) with a fresh mmap, which
@@ -294,15 +310,15 @@ def persistence_threshold(hidden_size: int, params: int | None, hold_weights: bo
 PIPELINE_PARTITIONS = ("parameters", "blocks", "uniform")
 
 
-def _resolve_pipeline(cfg: dict, flags: dict[str, Any], source: str) -> None:
+def _resolve_pipeline(cfg: dict, engine: EngineConfig, checkpointing: bool, source: str) -> None:
     """The "pipeline" section: stages (--pipeline-stages wins), how layers are split across them
     (partition, --pipeline-partition wins) and the activation checkpoint interval in layers
     (--activation-checkpointing means 1 when the config gives none)."""
     pipe = dict(cfg.get("pipeline", {}))
-    if flags.get("pipeline_stages") is not None:
-        pipe["stages"] = flags["pipeline_stages"]
-    if flags.get("pipeline_partition") is not None:
-        pipe["partition"] = flags["pipeline_partition"]
+    if engine.pipeline_stages is not None:
+        pipe["stages"] = engine.pipeline_stages
+    if engine.pipeline_partition is not None:
+        pipe["partition"] = engine.pipeline_partition
     if not pipe:
         return
     stages = pipe.get("stages", 1)
@@ -319,7 +335,7 @@ def _resolve_pipeline(cfg: dict, flags: dict[str, Any], source: str) -> None:
             f"{source}: pipeline.activation_checkpoint_interval must be a whole number of "
             f"layers (0: off), got {interval!r}"
         )
-    if activation_checkpointing(cfg, flags) and stages > 1 and interval == 0:
+    if activation_checkpointing(cfg, checkpointing) and stages > 1 and interval == 0:
         pipe["activation_checkpoint_interval"] = 1
     cfg["pipeline"] = pipe
 

@@ -12,9 +12,9 @@ back into both sections, so the run's resolved_config.json says what was used.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from training.errors import ConfigError
+from training.settings.config import OptimConfig
 from training.settings.sections import is_whole, near
 
 DEFAULTS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
@@ -55,7 +55,7 @@ SCHEDULERS = {
 OTHER_DS_SCHEDULERS = ("LRRangeTest", "OneCycle")
 
 
-def resolve_optimizer(cfg: dict, flags: dict[str, Any], backend: str, source: str) -> dict:
+def resolve_optimizer(cfg: dict, optim: OptimConfig, backend: str, source: str) -> dict:
     """{lr, betas, eps, weight_decay} by the rule; checks the `optimizer` section and writes
     the numbers into its params."""
     section = cfg.get("optimizer")
@@ -92,7 +92,14 @@ def resolve_optimizer(cfg: dict, flags: dict[str, Any], backend: str, source: st
         "eps": params.get("eps", "auto"),
         "weight_decay": params.get("weight_decay", "auto"),
     }
-    out = {k: _pick(k, flags.get(k), given[k], DEFAULTS[k], source) for k in DEFAULTS}
+    asked = {
+        "lr": optim.lr,
+        "beta1": optim.beta1,
+        "beta2": optim.beta2,
+        "eps": optim.eps,
+        "weight_decay": optim.weight_decay,
+    }
+    out = {k: _pick(k, asked[k], given[k], DEFAULTS[k], source) for k in DEFAULTS}
     _check_optimizer_ranges(out, source)
     values = {
         "lr": out["lr"],
@@ -105,13 +112,13 @@ def resolve_optimizer(cfg: dict, flags: dict[str, Any], backend: str, source: st
     return values
 
 
-def resolve_schedule(cfg: dict, flags: dict[str, Any], lr: float, steps: int, source: str) -> dict:
-    """The schedule's fields (training/loop/schedule.py `Schedule`) by the rule; checks the
-    `scheduler` section and writes the numbers into its params."""
-    section = cfg.get("scheduler")
+def resolve_schedule(cfg: dict, optim: OptimConfig, lr: float, source: str) -> dict:
+    """The schedule's fields (training/loop/schedule.py `Schedule`) over `optim.steps` by the
+    rule; checks the `scheduler` section and writes the numbers into its params."""
+    section, steps = cfg.get("scheduler"), optim.steps
     if section is None:
-        warmup = _pick("warmup", flags.get("warmup"), "auto", DEFAULT_WARMUP, source)
-        ratio = flags.get("min_lr_ratio")
+        warmup = _pick("warmup", optim.warmup, "auto", DEFAULT_WARMUP, source)
+        ratio = optim.min_lr_ratio
         ratio = DEFAULT_MIN_LR_RATIO if ratio is None else ratio
         return {
             "kind": "cosine",
@@ -144,19 +151,19 @@ def resolve_schedule(cfg: dict, flags: dict[str, Any], lr: float, steps: int, so
                 f"{source}: scheduler.params.{key} is not applied ({why}){near(key, known)}"
             )
     p = {**known, **{k: v for k, v in params.items() if v != "auto"}}
-    if flags.get("warmup") is not None:
-        p["warmup_num_steps"] = flags["warmup"]
+    if optim.warmup is not None:
+        p["warmup_num_steps"] = optim.warmup
     if p.get("total_num_steps") == "auto":
         p["total_num_steps"] = steps
-    if "warmup_max_lr" in p and (flags.get("lr") is not None or p["warmup_max_lr"] is None):
+    if "warmup_max_lr" in p and (optim.lr is not None or p["warmup_max_lr"] is None):
         p["warmup_max_lr"] = lr
-    if flags.get("min_lr_ratio") is not None:
+    if optim.min_lr_ratio is not None:
         if kind != "WarmupCosineLR":
             raise ConfigError(
                 f"--min-lr-ratio: scheduler {kind} in {source} has no floor to set (its "
                 "floor is warmup_min_lr); drop the flag or use WarmupCosineLR"
             )
-        p["cos_min_ratio"] = flags["min_lr_ratio"]
+        p["cos_min_ratio"] = optim.min_lr_ratio
     _check_schedule_params(kind, p, source)
     section["params"] = p
     peak = p.get("warmup_max_lr", lr)

@@ -42,14 +42,12 @@ def override_path(cfg: dict, nvme_path: str | None, source: str) -> dict:
     return cfg
 
 
-def auto_values(nvme_path: str | None, run_dir: Path, model_cfg) -> dict:
-    """The values config.resolve gives nvme's "auto"s: the swap folder, and a parameter swap
-    buffer just big enough for the largest parameter (DeepSpeed's default, 1e8 elements per
-    buffer, is gigabytes of host memory wasted on a small model)."""
-    return {
-        "nvme_path": str(Path(nvme_path or run_dir / "nvme_swap").resolve()),
-        "nvme_buffer_size": max(largest_param_numel(model_cfg), 1 << 20),
-    }
+def auto_values(nvme_path: str | None, run_dir: Path, model_cfg) -> tuple[str, int]:
+    """The values ds_config.resolve gives nvme's "auto"s (its `swap`): the swap folder, and a
+    parameter swap buffer just big enough for the largest parameter (DeepSpeed's default, 1e8
+    elements per buffer, is gigabytes of host memory wasted on a small model)."""
+    folder = str(Path(nvme_path or run_dir / "nvme_swap").resolve())
+    return folder, max(largest_param_numel(model_cfg), 1 << 20)
 
 
 def check_aio(source: str) -> None:
