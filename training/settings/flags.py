@@ -4,7 +4,7 @@ train.py and handed over as that component's own small config; nothing below tra
 `Settings`.
 
 A field's flag is `--` plus its name with `_` as `-`; `aliases` adds spellings (DeepSpeed's and
-HF Trainer's where they mean the same thing: README, "Flags from HF Trainer"). A `bool` field
+HF Trainer's where they mean the same thing: docs/training.md, "Flags from HF Trainer"). A `bool` field
 whose default is False is a switch (`--force`); one whose default is True (or None, decided
 later: `--compile`) also gets its `--no-` form (`--no-fsdp-reshard-after-forward`). No prefix of a flag is accepted
 (`allow_abbrev=False`): a new flag can never change what an old command line means.
