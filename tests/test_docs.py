@@ -70,6 +70,12 @@ def test_cited_results_exist(path):
     assert not missing, f"{path.name} cites results that are not there: {missing}"
 
 
+def test_index_maps_every_doc():
+    listed = set(LINK.findall((REPO / "docs" / "index.md").read_text()))
+    unlisted = [p.name for p in docs()[1:] if p.name != "index.md" and p.name not in listed]
+    assert not unlisted, f"docs/index.md does not list {unlisted}"
+
+
 def test_readme_is_a_short_front_door():
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md is {len(lines)} lines"
