@@ -21,7 +21,7 @@ WHY = unavailable()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        WHY is not None, reason=f"two hosts on one machine: {WHY} (see README, Many hosts)"
+        WHY is not None, reason=f"two hosts on one machine: {WHY} (see docs/testing.md)"
     ),
 ]
 
