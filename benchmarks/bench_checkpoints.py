@@ -38,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import host
+from launch.command import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -59,15 +60,14 @@ def stall(args, work: Path) -> int:
     for mode in args.modes.split(","):
         run = work / mode
         shutil.rmtree(run, ignore_errors=True)
-        train = [
-            PY, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
+        train = launcher_command("torchrun", args.ranks, [
             "training/train.py", "--data", args.data, "--out", str(run),
             "--model", args.preset, "--ds_config", f"ds_configs/{args.config}.json",
             "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
             "--steps", str(args.steps), "--save-every", str(args.save_every), "--keep-last", "2",
             "--eval-every", "0", "--eval-samples", "2", "--log-every", "1",
             *(["--async-save"] if mode == "async" else []),
-        ]  # fmt: skip
+        ], python=PY)  # fmt: skip
         load_before = os.getloadavg()[0]
         wall, rss = timed(train, work)
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -166,13 +166,12 @@ def main() -> int:
     run = work / "run"
     try:
         if not (run / "checkpoints" / "latest").is_file():
-            train = [
-                PY, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
+            train = launcher_command("torchrun", args.ranks, [
                 "training/train.py", "--data", args.data, "--out", str(run),
                 "--model", args.preset, "--ds_config", f"ds_configs/{args.config}.json",
                 "--seq-len", "32", "--micro-batch", "1", "--steps", "1", "--eval-samples", "2",
                 "--log-every", "1",
-            ]  # fmt: skip
+            ], python=PY)  # fmt: skip
             timed(train, work)
         n_params = json.loads((run / "resolved_config.json").read_text())["n_params"]
         fp32 = 4 * n_params

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import time
 from pathlib import Path
 
 from benchmarks.provenance import busy_cpu_seconds
+from launch.command import launcher_command
+from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,17 +111,10 @@ def ds_config_names() -> list[str]:
     return sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(
     a, script: str, args: list[str], nproc: int = 0, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc or a.ranks)]
-    cmd += ["--master_port", str(_port()), script, *args]
+    cmd = launcher_command("torchrun", nproc or a.ranks, [script, *args], port=free_port())
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
 

@@ -32,12 +32,14 @@ import json
 import os
 import resource
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from launch.command import launcher_command
+from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -219,17 +221,6 @@ def worker(a) -> None:
         Path(a.out, "row.json").write_text(json.dumps(row))
 
 
-def _torchrun(ranks: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-            "--master_port", str(free_port())]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     """A 2-rank job in its own process group; one stuck past TIMEOUT_S (a rank that never
     reaches the others) is ended whole and gives a row with an error, not a stuck benchmark."""
@@ -246,7 +237,8 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 def run_trl(a, config, lora, precision, out: Path, ds_from: Path | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = _torchrun(a.ranks) + ["-m", "benchmarks.peer_trl", "--worker", "--config", config]
+    program = ["-m", "benchmarks.peer_trl", "--worker", "--config", config]
+    cmd = launcher_command("torchrun", a.ranks, program, port=free_port())
     cmd += ["--data", a.data, "--model", a.model, "--out", str(out), "--steps", str(a.steps)]
     cmd += ["--micro-batch", str(a.micro_batch), "--lr", str(a.lr), "--precision", precision]
     cmd += ["--seq-len", str(a.seq_len), "--lora", lora]
@@ -289,11 +281,8 @@ def zerostack_row(out: Path, seq_len: int, means: dict) -> dict:
 
 
 def run_zerostack(a, config: str, lora: str, out: Path, means: dict) -> dict:
-    cmd = _torchrun(a.ranks) + [
-        "training/train.py",
-        "--ds_config",
-        f"ds_configs/{config}.json",
-    ]
+    program = ["training/train.py", "--ds_config", f"ds_configs/{config}.json"]
+    cmd = launcher_command("torchrun", a.ranks, program, port=free_port())
     cmd += ["--data", a.data, "--model", a.model, "--out", str(out), "--seq-len", str(a.seq_len)]
     cmd += ["--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--lr", str(a.lr)]
     cmd += ["--warmup", "0", "--log-every", "1", "--eval-every", "0", "--save-every", "-1"]

@@ -47,6 +47,7 @@ import psutil
 from benchmarks import scale_doc
 from benchmarks.host import timed as host_timed
 from benchmarks.provenance import busy_cpu_seconds, code_record, host_record
+from launch.command import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -236,9 +237,8 @@ def train_args(row: dict, data: str, out: Path, steps: int, extra=()) -> list[st
 
 
 def torchrun(args: list[str], ranks: int) -> list[str]:
-    port = str(29500 + os.getpid() % 1000)
-    cmd = ["nice", "-n", "10", PY, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-    return cmd + ["--master_port", port, *args]
+    port = 29500 + os.getpid() % 1000
+    return ["nice", "-n", "10", *launcher_command("torchrun", ranks, args, port=port, python=PY)]
 
 
 def run_row(row: dict, a) -> dict:
