@@ -1,5 +1,6 @@
 """The Hugging Face Trainer with DeepSpeed, as people run it, on the compare job's work: one rank
-of it under torchrun (`python -m benchmarks.compare --engines ... --hf-trainer` starts it).
+of it under torchrun, `python -m benchmarks.peer_hf [--stock] TRAIN_FLAGS...` (`python -m
+benchmarks.compare --engines ... --hf-trainer` starts it).
 
 Same model folder, data, micro-batch, accumulation, steps, learning rate, precision and thread
 count as the zerostack rows; DeepSpeed from `ds_configs/zero2.json` (the Trainer fills its
@@ -18,8 +19,12 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
+
+from benchmarks.compare.runs import WARMUP_STEPS
+from training.runtime import distributed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -124,3 +129,9 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
         row.update(peak_mem_gb=rss.item() / 2**30, ceiling=ceiling)
         row["precision"] = "fp32" if dtype == torch.float32 else "bf16"
         Path(s.out).write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    stock = sys.argv[1:2] == ["--stock"]
+    run(sys.argv[1 + stock :], WARMUP_STEPS, stock=stock)
+    distributed.exit_process(0)
