@@ -8,7 +8,7 @@ from models import PRESETS
 from models.errors import ModelError
 from models.lora import LoraSpec, parse_lora
 from training.errors import ConfigError
-from training.memory.plan import ModelShape, with_lora
+from training.memory.shape import ModelShape, with_lora
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, parallel
 from training.settings.flags import Settings
