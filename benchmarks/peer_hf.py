@@ -48,10 +48,41 @@ def as_transformers_llama(model):
     return theirs
 
 
+def training_arguments(s):
+    """The Trainer's arguments for the job in Settings `s`: DeepSpeed from ds_configs/zero2.json,
+    on the CPU, fused AdamW, a step logged each step, nothing saved."""
+    from transformers import TrainingArguments
+
+    ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    ds = {k: v for k, v in ds.items() if not k.startswith("_")}
+    # The Trainer fills the batch, clipping and reduce-bucket "auto"s; the all-gather bucket it
+    # does not know, so DeepSpeed's default stands, as in the Trainer's documented ZeRO-2 file.
+    ds["zero_optimization"].pop("allgather_bucket_size", None)
+    return TrainingArguments(
+        output_dir=str(Path(s.out).with_suffix(".trainer")),
+        per_device_train_batch_size=s.micro_batch,
+        gradient_accumulation_steps=s.grad_accum,
+        max_steps=s.steps,
+        learning_rate=s.lr,
+        warmup_steps=s.warmup or 0,
+        max_grad_norm=1.0,
+        bf16=s.precision != "fp32",  # --precision fp32: the Trainer's own default (bf16=False)
+        use_cpu=True,
+        deepspeed=ds,
+        optim="adamw_torch_fused",
+        seed=s.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+
 def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
     from data import TokenDataset
     from models import flops_per_token, pick_attention_kernel, set_attention_kernel
@@ -80,30 +111,7 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t)
 
-    ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
-    ds = {k: v for k, v in ds.items() if not k.startswith("_")}
-    # The Trainer fills the batch, clipping and reduce-bucket "auto"s; the all-gather bucket it
-    # does not know, so DeepSpeed's default stands, as in the Trainer's documented ZeRO-2 file.
-    ds["zero_optimization"].pop("allgather_bucket_size", None)
-    args = TrainingArguments(
-        output_dir=str(Path(s.out).with_suffix(".trainer")),
-        per_device_train_batch_size=s.micro_batch,
-        gradient_accumulation_steps=s.grad_accum,
-        max_steps=s.steps,
-        learning_rate=s.lr,
-        warmup_steps=s.warmup or 0,
-        max_grad_norm=1.0,
-        bf16=s.precision != "fp32",  # --precision fp32: the Trainer's own default (bf16=False)
-        use_cpu=True,
-        deepspeed=ds,
-        optim="adamw_torch_fused",
-        seed=s.seed,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = training_arguments(s)
     dtype = torch.float32 if s.precision == "fp32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(s.model, dtype=dtype)
     if stock:
