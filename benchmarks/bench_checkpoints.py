@@ -38,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import host
+from launch.command import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -57,44 +58,8 @@ def stall(args, work: Path) -> int:
     """Sync vs --async-save: the loop's stall per save, the write time, the overlapped steps."""
     results = {}
     for mode in args.modes.split(","):
-        run = work / mode
-        shutil.rmtree(run, ignore_errors=True)
-        train = [
-            PY, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
-            "training/train.py", "--data", args.data, "--out", str(run),
-            "--model", args.preset, "--ds_config", f"ds_configs/{args.config}.json",
-            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-            "--steps", str(args.steps), "--save-every", str(args.save_every), "--keep-last", "2",
-            "--eval-every", "0", "--eval-samples", "2", "--log-every", "1",
-            *(["--async-save"] if mode == "async" else []),
-        ]  # fmt: skip
-        load_before = os.getloadavg()[0]
-        wall, rss = timed(train, work)
-        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        saves = [r for r in records if r.get("kind") == "checkpoint"]
-        steps = {r["step"]: r for r in records if r.get("kind") == "train"}
-        # a step's time: the interval between train records (log-every 1)
-        times = sorted((r["step"], r["time"]) for r in steps.values())
-        dt = {b[0]: b[1] - a[1] for a, b in zip(times, times[1:])}
-        saved_at = {r["step"] for r in saves}
-        overlapped = [dt[s + 1] for s in saved_at if s + 1 in dt]  # the step after a save started
-        others = [v for s, v in dt.items() if s - 1 not in saved_at]
-        results[mode] = {
-            "load_before": load_before,
-            "load_after": os.getloadavg()[0],
-            "wall_s": wall,
-            "peak_rss_bytes": rss,
-            "saves": saves,
-            "stall_per_save_s": sum(r["stall_s"] for r in saves) / len(saves),
-            "write_s": [r.get("write_s") for r in saves],
-            "staged_bytes": max((r.get("staged_bytes", 0) for r in saves), default=0),
-            **{
-                f"{k}_per_save_s": sum(r.get(k, 0) for r in saves) / len(saves)
-                for k in ("stage_s", "wait_s", "seal_s")
-            },
-            "step_s_after_save": sum(overlapped) / len(overlapped) if overlapped else None,
-            "step_s_other": sum(others) / len(others) if others else None,
-        }
+        results[mode] = stall_run(args, work / mode, mode)
+    run = work / mode
     n_params = json.loads((run / "resolved_config.json").read_text())["n_params"]
     out = {
         "host": host.host_class(),
@@ -114,16 +79,63 @@ def stall(args, work: Path) -> int:
     )
     dest = REPO / "benchmarks" / "results" / name
     dest.write_text(json.dumps(out, indent=1))
+    print_stall(out)
+    return 0
+
+
+def stall_run(args, run: Path, mode: str) -> dict:
+    """One run saving every --save-every steps, synchronously or with --async-save (`mode`):
+    its stall, write and step times per save, read from its metrics."""
+    shutil.rmtree(run, ignore_errors=True)
+    train = launcher_command("torchrun", args.ranks, [
+        "training/train.py", "--data", args.data, "--out", str(run),
+        "--model", args.preset, "--ds_config", f"ds_configs/{args.config}.json",
+        "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+        "--steps", str(args.steps), "--save-every", str(args.save_every), "--keep-last", "2",
+        "--eval-every", "0", "--eval-samples", "2", "--log-every", "1",
+        *(["--async-save"] if mode == "async" else []),
+    ], python=PY)  # fmt: skip
+    load_before = os.getloadavg()[0]
+    wall, rss = timed(train, run.parent)
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in records if r.get("kind") == "checkpoint"]
+    steps = {r["step"]: r for r in records if r.get("kind") == "train"}
+    # a step's time: the interval between train records (log-every 1)
+    times = sorted((r["step"], r["time"]) for r in steps.values())
+    dt = {b[0]: b[1] - a[1] for a, b in zip(times, times[1:])}
+    saved_at = {r["step"] for r in saves}
+    overlapped = [dt[s + 1] for s in saved_at if s + 1 in dt]  # the step after a save started
+    others = [v for s, v in dt.items() if s - 1 not in saved_at]
+    return {
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "wall_s": wall,
+        "peak_rss_bytes": rss,
+        "saves": saves,
+        "stall_per_save_s": sum(r["stall_s"] for r in saves) / len(saves),
+        "write_s": [r.get("write_s") for r in saves],
+        "staged_bytes": max((r.get("staged_bytes", 0) for r in saves), default=0),
+        **{
+            f"{k}_per_save_s": sum(r.get(k, 0) for r in saves) / len(saves)
+            for k in ("stage_s", "wait_s", "seal_s")
+        },
+        "step_s_after_save": sum(overlapped) / len(overlapped) if overlapped else None,
+        "step_s_other": sum(others) / len(others) if others else None,
+    }
+
+
+def print_stall(out: dict) -> None:
+    """The stall runs as a markdown table, under a line naming the job and the host."""
     print(
-        f"\n{args.preset} ({n_params / 1e6:.0f}M params), {args.config}, {args.ranks} ranks; "
-        f"{out['host']}\n"
+        f"\n{out['preset']} ({out['n_params'] / 1e6:.0f}M params), {out['config']}, "
+        f"{out['ranks']} ranks; {out['host']}\n"
     )
     print(
         "| saves | loop stall per save s | of which copy / wait / seal | background write s | "
         "step s (interval holding a save) | step s (others) | peak RSS MiB |"
     )
     print("|---|---|---|---|---|---|---|")
-    for mode, r in results.items():
+    for mode, r in out["results"].items():
         writes = [w for w in r["write_s"] if w is not None]
         w = f"{sum(writes) / len(writes):.2f}" if writes else "-"
         after = f"{r['step_s_after_save']:.2f}" if r["step_s_after_save"] else "-"
@@ -137,10 +149,9 @@ def stall(args, work: Path) -> int:
             f"| {mode} | {r['stall_per_save_s']:.2f} | {parts} | {w} | {after} | {other} | "
             f"{r['peak_rss_bytes'] / 2**20:,.0f} |"
         )
-    return 0
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("--data", required=True, help="a folder written by `python -m data.prepare`")
     a.add_argument("--preset", default="125M")
@@ -153,87 +164,87 @@ def main() -> int:
     a.add_argument("--save-every", type=int, default=2, help="--stall: steps between saves")
     a.add_argument("--seq-len", type=int, default=32, help="--stall: tokens per sample")
     a.add_argument("--micro-batch", type=int, default=1, help="--stall: samples per rank and step")
-    args = a.parse_args()
+    return a
 
+
+def main() -> int:
+    args = parser().parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_ckpt_"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.stall:
-        try:
-            return stall(args, work)
-        finally:
-            if args.workdir is None:
-                shutil.rmtree(work, ignore_errors=True)
-    run = work / "run"
     try:
-        if not (run / "checkpoints" / "latest").is_file():
-            train = [
-                PY, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
-                "training/train.py", "--data", args.data, "--out", str(run),
-                "--model", args.preset, "--ds_config", f"ds_configs/{args.config}.json",
-                "--seq-len", "32", "--micro-batch", "1", "--steps", "1", "--eval-samples", "2",
-                "--log-every", "1",
-            ]  # fmt: skip
-            timed(train, work)
-        n_params = json.loads((run / "resolved_config.json").read_text())["n_params"]
-        fp32 = 4 * n_params
-        tag = (run / "checkpoints" / "latest").read_text().strip()
-        ckpt_bytes = sum(f.stat().st_size for f in (run / "checkpoints" / tag).iterdir())
-
-        rows = []
-        base = timed(
-            [PY, "-c", "import torch, deepspeed, transformers, models, training.export"], work
-        )
-        rows.append(("imports only", *base))
-        rows.append(
-            (
-                "zerostack universal",
-                *timed([PY, "-m", "training.universal", str(run), "--force"], work),
-            )
-        )
-        dsu = work / "dsu" / tag
-        shutil.rmtree(dsu.parent, ignore_errors=True)
-        rows.append(
-            (
-                "ds_to_universal",
-                *timed(
-                    [
-                        PY,
-                        "-m",
-                        "deepspeed.checkpoint.ds_to_universal",
-                        "--input_folder",
-                        str(run / "checkpoints" / tag),
-                        "--output_folder",
-                        str(dsu),
-                        "--num_extract_workers",
-                        "1",
-                        "--num_merge_workers",
-                        "1",
-                    ],  # fmt: skip
-                    work,
-                ),
-            )
-        )
-        hf = work / "hf"
-        shutil.rmtree(hf, ignore_errors=True)
-        rows.append(
-            (
-                "zerostack export",
-                *timed([PY, "-m", "training.export", str(run), "--out", str(hf)], work),
-            )
-        )
-
-        print(
-            f"\n{args.preset}: {n_params / 1e6:.1f}M params, fp32 weights {fp32 / 2**20:.0f} MiB, "
-            f"checkpoint {ckpt_bytes / 2**20:.0f} MiB ({args.config}, {args.ranks} ranks)\n"
-        )
-        print("| step | wall s | peak RSS MiB | RSS / fp32 | (RSS - imports) / fp32 |")
-        print("|---|---|---|---|---|")
-        for name, wall, rss in rows:
-            extra = (rss - base[1]) / fp32
-            print(f"| {name} | {wall:.1f} | {rss / 2**20:.0f} | {rss / fp32:.2f} | {extra:.2f} |")
+        return stall(args, work) if args.stall else conversions(args, work)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def conversions(args, work: Path) -> int:
+    """Time and peak memory of the universal conversion (ours and DeepSpeed's) and of the export,
+    on a one-step run's checkpoint (made once in --workdir)."""
+    run = work / "run"
+    if not (run / "checkpoints" / "latest").is_file():
+        train = launcher_command("torchrun", args.ranks, [
+            "training/train.py", "--data", args.data, "--out", str(run),
+            "--model", args.preset, "--ds_config", f"ds_configs/{args.config}.json",
+            "--seq-len", "32", "--micro-batch", "1", "--steps", "1", "--eval-samples", "2",
+            "--log-every", "1",
+        ], python=PY)  # fmt: skip
+        timed(train, work)
+    n_params = json.loads((run / "resolved_config.json").read_text())["n_params"]
+    fp32 = 4 * n_params
+    tag = (run / "checkpoints" / "latest").read_text().strip()
+    ckpt_bytes = sum(f.stat().st_size for f in (run / "checkpoints" / tag).iterdir())
+
+    rows = []
+    base = timed([PY, "-c", "import torch, deepspeed, transformers, models, training.export"], work)
+    rows.append(("imports only", *base))
+    rows.append(
+        (
+            "zerostack universal",
+            *timed([PY, "-m", "training.universal", str(run), "--force"], work),
+        )
+    )
+    dsu = work / "dsu" / tag
+    shutil.rmtree(dsu.parent, ignore_errors=True)
+    rows.append(
+        (
+            "ds_to_universal",
+            *timed(
+                [
+                    PY,
+                    "-m",
+                    "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder",
+                    str(run / "checkpoints" / tag),
+                    "--output_folder",
+                    str(dsu),
+                    "--num_extract_workers",
+                    "1",
+                    "--num_merge_workers",
+                    "1",
+                ],  # fmt: skip
+                work,
+            ),
+        )
+    )
+    hf = work / "hf"
+    shutil.rmtree(hf, ignore_errors=True)
+    rows.append(
+        (
+            "zerostack export",
+            *timed([PY, "-m", "training.export", str(run), "--out", str(hf)], work),
+        )
+    )
+
+    print(
+        f"\n{args.preset}: {n_params / 1e6:.1f}M params, fp32 weights {fp32 / 2**20:.0f} MiB, "
+        f"checkpoint {ckpt_bytes / 2**20:.0f} MiB ({args.config}, {args.ranks} ranks)\n"
+    )
+    print("| step | wall s | peak RSS MiB | RSS / fp32 | (RSS - imports) / fp32 |")
+    print("|---|---|---|---|---|")
+    for name, wall, rss in rows:
+        extra = (rss - base[1]) / fp32
+        print(f"| {name} | {wall:.1f} | {rss / 2**20:.0f} | {rss / fp32:.2f} | {extra:.2f} |")
     return 0
 
 

@@ -44,7 +44,7 @@ def matmul_ceiling(dtype: torch.dtype, n: int = 2048, iters: int = 10) -> tuple[
     return 2 * n**3 / wall, 2 * n**3 / cpu
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -57,7 +57,11 @@ def main() -> None:
         "--autocast", action="store_true", help="fp32 weights under torch.autocast(bf16)"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 

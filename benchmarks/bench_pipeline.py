@@ -15,27 +15,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from launch.command import launcher_command
+from training.runtime.distributed import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 WARMUP = 3  # steps left out of the timings
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(name: str, a, cfg: str, micro: int, accum: int) -> dict:
     out = Path(a.runs) / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.ranks)]
-    cmd += ["--master_port", str(_port()), "training/train.py", "--ds_config", cfg]
+    program = ["training/train.py", "--ds_config", cfg]
+    cmd = launcher_command("torchrun", a.ranks, program, port=free_port())
     cmd += ["--data", a.data, "--model", a.model, "--out", str(out), "--seq-len", str(a.seq_len)]
     cmd += ["--micro-batch", str(micro), "--grad-accum", str(accum), "--steps", str(a.steps)]
     cmd += ["--log-every", "1", "--eval-every", "0", "--eval-samples", "8", "--save-every", "-1"]

@@ -13,33 +13,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from launch.command import launcher_command
+from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
 DEFAULT_CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fp32"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(name: str, a, out_root: Path) -> dict:
     out = out_root / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(a.ranks),
-        "--master_port",
-        str(_port()),
+    program = [
         "training/train.py",
         "--ds_config",
         f"ds_configs/{name}.json",
@@ -66,6 +55,7 @@ def run_config(name: str, a, out_root: Path) -> dict:
         "--resume",
         "never",
     ]
+    cmd = launcher_command("torchrun", a.ranks, program, port=free_port())
     stages = json.loads((REPO / "ds_configs" / f"{name}.json").read_text()).get("pipeline", {})
     if stages.get("stages", 1) > 1:  # ranks / stages replicas: as many micro-batches per step
         cmd += ["--grad-accum", str(stages["stages"])]  # keep the same global batch

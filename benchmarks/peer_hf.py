@@ -1,5 +1,6 @@
 """The Hugging Face Trainer with DeepSpeed, as people run it, on the compare job's work: one rank
-of it under torchrun (`python -m benchmarks.compare --engines ... --hf-trainer` starts it).
+of it under torchrun, `python -m benchmarks.peer_hf [--stock] TRAIN_FLAGS...` (`python -m
+benchmarks.compare --engines ... --hf-trainer` starts it).
 
 Same model folder, data, micro-batch, accumulation, steps, learning rate, precision and thread
 count as the zerostack rows; DeepSpeed from `ds_configs/zero2.json` (the Trainer fills its
@@ -18,8 +19,12 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
+
+from benchmarks.compare.runs import WARMUP_STEPS
+from training.runtime import distributed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,20 +48,52 @@ def as_transformers_llama(model):
     return theirs
 
 
+def training_arguments(s):
+    """The Trainer's arguments for the job in the run configuration `s`: DeepSpeed from ds_configs/zero2.json,
+    on the CPU, fused AdamW, a step logged each step, nothing saved."""
+    from transformers import TrainingArguments
+
+    ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    ds = {k: v for k, v in ds.items() if not k.startswith("_")}
+    # The Trainer fills the batch, clipping and reduce-bucket "auto"s; the all-gather bucket it
+    # does not know, so DeepSpeed's default stands, as in the Trainer's documented ZeRO-2 file.
+    ds["zero_optimization"].pop("allgather_bucket_size", None)
+    return TrainingArguments(
+        output_dir=str(Path(s.out).with_suffix(".trainer")),
+        per_device_train_batch_size=s.optim.micro_batch,
+        gradient_accumulation_steps=s.optim.grad_accum,
+        max_steps=s.optim.steps,
+        learning_rate=s.optim.lr,
+        warmup_steps=s.optim.warmup or 0,
+        max_grad_norm=1.0,
+        bf16=s.engine.precision
+        != "fp32",  # --precision fp32: the Trainer's own default (bf16=False)
+        use_cpu=True,
+        deepspeed=ds,
+        optim="adamw_torch_fused",
+        seed=s.optim.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+
 def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
     from data import TokenDataset
     from models import flops_per_token, pick_attention_kernel, set_attention_kernel
     from training.runtime.flops import model_shapes, run_ceiling
-    from training.settings.flags import Settings
+    from training.settings import flags
 
-    s = Settings.parse(argv)
+    s = flags.parse(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer does
-    windows = TokenDataset(s.data, "train", s.seq_len)
+    windows = TokenDataset(s.data.path, "train", s.data.seq_len)
 
     class Windows(torch.utils.data.Dataset):
         def __len__(self):
@@ -75,47 +112,24 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t)
 
-    ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
-    ds = {k: v for k, v in ds.items() if not k.startswith("_")}
-    # The Trainer fills the batch, clipping and reduce-bucket "auto"s; the all-gather bucket it
-    # does not know, so DeepSpeed's default stands, as in the Trainer's documented ZeRO-2 file.
-    ds["zero_optimization"].pop("allgather_bucket_size", None)
-    args = TrainingArguments(
-        output_dir=str(Path(s.out).with_suffix(".trainer")),
-        per_device_train_batch_size=s.micro_batch,
-        gradient_accumulation_steps=s.grad_accum,
-        max_steps=s.steps,
-        learning_rate=s.lr,
-        warmup_steps=s.warmup or 0,
-        max_grad_norm=1.0,
-        bf16=s.precision != "fp32",  # --precision fp32: the Trainer's own default (bf16=False)
-        use_cpu=True,
-        deepspeed=ds,
-        optim="adamw_torch_fused",
-        seed=s.seed,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    dtype = torch.float32 if s.precision == "fp32" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(s.model, dtype=dtype)
+    args = training_arguments(s)
+    dtype = torch.float32 if s.engine.precision == "fp32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(s.model.name, dtype=dtype)
     if stock:
         model = as_transformers_llama(model)
     else:
-        set_attention_kernel(model, pick_attention_kernel(s.attention, "cpu", s.seq_len))
+        set_attention_kernel(model, pick_attention_kernel(s.model.attention, "cpu", s.data.seq_len))
     trainer = Trainer(model=model, args=args, train_dataset=Windows(), callbacks=[StepTimes()])
     # The ceiling as the trainer measures its own (after the process group exists).
-    shapes = model_shapes(model.config, s.micro_batch * s.seq_len)
+    shapes = model_shapes(model.config, s.optim.micro_batch * s.data.seq_len)
     ceiling = run_ceiling(torch.device("cpu"), dtype, shapes).per_rank
     trainer.train()
     # the higher of a start and an end probe: one taken in a slow spell of the host reads low
     ceiling = max(ceiling, run_ceiling(torch.device("cpu"), dtype, shapes).per_rank)
-    tokens = s.micro_batch * s.grad_accum * world * s.seq_len
+    tokens = s.optim.micro_batch * s.optim.grad_accum * world * s.data.seq_len
     tps = statistics.median(tokens / t for t in times[warmup_steps:] or times)
     n = sum(p.numel() for p in model.parameters())
-    fpt = flops_per_token(model.config, s.seq_len, n_params=n)
+    fpt = flops_per_token(model.config, s.data.seq_len, n_params=n)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
     if dist.is_initialized():
         dist.all_reduce(rss, op=dist.ReduceOp.MAX)
@@ -124,3 +138,9 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
         row.update(peak_mem_gb=rss.item() / 2**30, ceiling=ceiling)
         row["precision"] = "fp32" if dtype == torch.float32 else "bf16"
         Path(s.out).write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    stock = sys.argv[1:2] == ["--stock"]
+    run(sys.argv[1 + stock :], WARMUP_STEPS, stock=stock)
+    distributed.exit_process(0)

@@ -32,12 +32,14 @@ import json
 import os
 import resource
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from launch.command import launcher_command
+from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -100,16 +102,11 @@ def drawn_means(data: str, seq_len: int, steps: int, per_step: int) -> dict:
     }
 
 
-def worker(a) -> None:
-    """One rank of TRL's SFTTrainer under torchrun (the driver starts it)."""
-    import torch
-    import torch.distributed as dist
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+def sft_config(a):
+    """TRL's arguments for the job: DeepSpeed from ds_configs/CONFIG.json (trl_tuned: with the
+    buckets our trainer picked), on the CPU, a constant learning rate, every step logged."""
+    from trl import SFTConfig
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as our trainer does
     ds = json.loads((REPO / "ds_configs" / f"{a.config}.json").read_text())
     ds = {k: v for k, v in ds.items() if not k.startswith("_")}
     zero = ds.get("zero_optimization", {})
@@ -117,9 +114,7 @@ def worker(a) -> None:
     if a.ds_from:  # trl_tuned: the buckets our trainer picked, where the shipped file says auto
         ours = json.loads(Path(a.ds_from).read_text())["ds_config"]["zero_optimization"]
         zero |= {k: ours[k] for k, v in zero.items() if v == "auto" and k in ours}
-    bf16 = a.precision == "bf16"
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    args = SFTConfig(
+    return SFTConfig(
         output_dir=str(Path(a.out) / "trainer"),
         per_device_train_batch_size=a.micro_batch,
         gradient_accumulation_steps=1,
@@ -128,7 +123,7 @@ def worker(a) -> None:
         warmup_steps=0,
         lr_scheduler_type="constant",
         max_grad_norm=1.0,
-        bf16=bf16,
+        bf16=a.precision == "bf16",
         use_cpu=True,
         deepspeed=ds,
         optim="adamw_torch_fused",
@@ -145,21 +140,39 @@ def worker(a) -> None:
         # k % world, as our reader does, so every step's batches are the same on both
         train_sampling_strategy="sequential",
     )
-    counts: list[tuple[int, int, int]] = []  # per batch: positions, real tokens, trained tokens
 
-    def counted(collate):
-        def f(batch):
-            out = collate(batch)
-            counts.append(
-                (
-                    out["input_ids"].numel(),
-                    int(sum(len(b["input_ids"]) for b in batch)),
-                    int((out["labels"][:, 1:] != -100).sum()),  # the model shifts the labels
-                )
+
+def counted(collate, counts: list[tuple[int, int, int]]):
+    """`collate` that also appends each batch's positions, real tokens and trained tokens to
+    `counts`."""
+
+    def f(batch):
+        out = collate(batch)
+        counts.append(
+            (
+                out["input_ids"].numel(),
+                int(sum(len(b["input_ids"]) for b in batch)),
+                int((out["labels"][:, 1:] != -100).sum()),  # the model shifts the labels
             )
-            return out
+        )
+        return out
 
-        return f
+    return f
+
+
+def worker(a) -> None:
+    """One rank of TRL's SFTTrainer under torchrun (the driver starts it)."""
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as our trainer does
+    dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
+    args = sft_config(a)
+    counts: list[tuple[int, int, int]] = []  # per batch: positions, real tokens, trained tokens
 
     times: list[float] = []
 
@@ -189,7 +202,7 @@ def worker(a) -> None:
         peft_config=lora_config(a.lora) if a.lora else None,
         callbacks=[StepTimes()],
     )
-    trainer.data_collator = counted(trainer.data_collator)
+    trainer.data_collator = counted(trainer.data_collator, counts)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     # grad_accum 1: the dataloader yields one batch per step, in order (no prefetch workers)
@@ -219,17 +232,6 @@ def worker(a) -> None:
         Path(a.out, "row.json").write_text(json.dumps(row))
 
 
-def _torchrun(ranks: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-            "--master_port", str(free_port())]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     """A 2-rank job in its own process group; one stuck past TIMEOUT_S (a rank that never
     reaches the others) is ended whole and gives a row with an error, not a stuck benchmark."""
@@ -246,7 +248,8 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 def run_trl(a, config, lora, precision, out: Path, ds_from: Path | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = _torchrun(a.ranks) + ["-m", "benchmarks.peer_trl", "--worker", "--config", config]
+    program = ["-m", "benchmarks.peer_trl", "--worker", "--config", config]
+    cmd = launcher_command("torchrun", a.ranks, program, port=free_port())
     cmd += ["--data", a.data, "--model", a.model, "--out", str(out), "--steps", str(a.steps)]
     cmd += ["--micro-batch", str(a.micro_batch), "--lr", str(a.lr), "--precision", precision]
     cmd += ["--seq-len", str(a.seq_len), "--lora", lora]
@@ -289,11 +292,8 @@ def zerostack_row(out: Path, seq_len: int, means: dict) -> dict:
 
 
 def run_zerostack(a, config: str, lora: str, out: Path, means: dict) -> dict:
-    cmd = _torchrun(a.ranks) + [
-        "training/train.py",
-        "--ds_config",
-        f"ds_configs/{config}.json",
-    ]
+    program = ["training/train.py", "--ds_config", f"ds_configs/{config}.json"]
+    cmd = launcher_command("torchrun", a.ranks, program, port=free_port())
     cmd += ["--data", a.data, "--model", a.model, "--out", str(out), "--seq-len", str(a.seq_len)]
     cmd += ["--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--lr", str(a.lr)]
     cmd += ["--warmup", "0", "--log-every", "1", "--eval-every", "0", "--save-every", "-1"]

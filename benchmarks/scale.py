@@ -47,6 +47,7 @@ import psutil
 from benchmarks import scale_doc
 from benchmarks.host import timed as host_timed
 from benchmarks.provenance import busy_cpu_seconds, code_record, host_record
+from launch.command import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -194,17 +195,20 @@ def parse_row(spec: str) -> dict:
 
 def planned(row: dict, vocab: int, world: int, nvme_dir: Path) -> dict:
     from models import get_config
-    from training.memory import plan as memory_plan
+    from training.memory.capacity import capacity
+    from training.memory.fit import resolve_config
+    from training.memory.shape import shape_of_config
+    from training.memory.verdict import check_run, in_memory, plan_name
 
-    shape = memory_plan.shape_of_config(get_config(row["preset"], vocab_size=vocab), row["preset"])
+    shape = shape_of_config(get_config(row["preset"], vocab_size=vocab), row["preset"])
     path = REPO / "ds_configs" / f"{row['config']}.json"
-    host = memory_plan.capacity(host_mem_gib=None).host_bytes  # the trainer's hold decision
-    cfg = memory_plan.resolve_config(path, shape, world, 1, "cpu", world, host)
+    host = capacity(host_mem_gib=None).host_bytes  # the trainer's hold decision
+    cfg = resolve_config(path, shape, world, 1, "cpu", world, host)
     for s in ("offload_optimizer", "offload_param"):  # the swap folder the run will use
         sec = cfg.get("zero_optimization", {}).get(s, {})
         if sec.get("device") == "nvme":
             sec["nvme_path"] = str(nvme_dir)
-    v = memory_plan.check_run(
+    v = check_run(
         shape,
         cfg,
         world,
@@ -218,8 +222,8 @@ def planned(row: dict, vocab: int, world: int, nvme_dir: Path) -> dict:
         "params": shape.params,
         "fits": v.fits,
         "needs": v.needs,
-        "cheapest": v.cheapest and memory_plan._name(v.cheapest),
-        "per_rank_memory": memory_plan.in_memory(p),
+        "cheapest": v.cheapest and plan_name(v.cheapest),
+        "per_rank_memory": in_memory(p),
         "per_rank_nvme": p.total("nvme"),
         "model_states": p.model_states,
         "categories": p.per_rank,
@@ -236,9 +240,8 @@ def train_args(row: dict, data: str, out: Path, steps: int, extra=()) -> list[st
 
 
 def torchrun(args: list[str], ranks: int) -> list[str]:
-    port = str(29500 + os.getpid() % 1000)
-    cmd = ["nice", "-n", "10", PY, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-    return cmd + ["--master_port", port, *args]
+    port = 29500 + os.getpid() % 1000
+    return ["nice", "-n", "10", *launcher_command("torchrun", ranks, args, port=port, python=PY)]
 
 
 def run_row(row: dict, a) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from launch.command import launcher_command
+from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "## A long run stays flat: the soak benchmark"
@@ -57,12 +59,6 @@ class Soak:
     exit_code: int
     samples: list[Sample] = field(default_factory=list)
     shm_left: list[str] = field(default_factory=list)  # the run's /dev/shm files after exit
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_processes(launcher: psutil.Process) -> dict[int, psutil.Process]:
@@ -128,15 +124,15 @@ def take_sample(ranks: dict[int, psutil.Process], port: int, step: int) -> Sampl
 
 def soak(engine: str, a, out_root: Path) -> Soak:
     """One 2-rank run of `engine`, sampled from outside about once a second."""
-    out, port = out_root / engine, _port()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.ranks),
-        "--master_port", str(port), "training/train.py", *ENGINES[engine],
+    out, port = out_root / engine, free_port()
+    program = [
+        "training/train.py", *ENGINES[engine],
         "--data", str(a.data), "--out", str(out), "--model", "tiny", "--seq-len", "64",
         "--micro-batch", "2", "--steps", str(a.steps), "--warmup", "20", "--lr", "3e-3",
         "--log-every", "10", "--save-every", str(a.save_every), "--keep-last", "2",
         "--eval-every", str(a.eval_every), "--eval-samples", "8", "--resume", "never",
     ]  # fmt: skip
+    cmd = launcher_command("torchrun", a.ranks, program, port=port)
     log = open(out_root / f"{engine}.log", "w")
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

@@ -79,28 +79,14 @@ def prepare(
     dropped (`too_long`), and counted in the manifest's `chat`. `val_source` (chat data): the
     validation split is that JSONL's rows, and every row of SOURCE trains.
     """
-    from data.manifest import dtype_for_vocab
-    from data.tokenizer import (
-        check_hf_tokenizer,
-        copy_hf_tokenizer,
-        encoder,
-        special_ids,
-        train_tokenizer,
-    )
+    from data.chat import is_chat_source
 
     out = Path(out)
-    if chat is None:
-        from data.chat import is_chat_source
-
-        chat = is_chat_source(str(source))
+    chat = is_chat_source(str(source)) if chat is None else chat
     if val_fraction is None:  # "auto": 0.5%, or enough of a small corpus (shards.py)
         val_fraction = _auto_val_fraction(out, source, max_docs, chat)
     _check_options(vocab_size, num_proc, val_fraction, max_docs, sample_bytes, shard_tokens)
-    # Fail now, before any work, if the vocabulary cannot fit the shard dtype.
-    if tokenizer is None:
-        dtype_for_vocab(vocab_size, dtype)
-    else:
-        dtype_for_vocab(check_hf_tokenizer(tokenizer)["vocab_size"], dtype)
+    _check_dtype(tokenizer, vocab_size, dtype)
     if chat:
         return _prepare_chat(
             source,
@@ -117,12 +103,7 @@ def prepare(
             progress=progress,
             val_source=val_source,
         )
-    if chat_template is not None or val_source is not None:
-        flag = "--chat-template" if chat_template is not None else "--val-source"
-        raise DataError(
-            f"{flag} is for chat data, and {source} is a text corpus (its first row has no "
-            "'messages', 'prompt'/'completion' or 'instruction'/'output'); drop it or use --chat"
-        )
+    _refuse_chat_flags(source, chat_template, val_source)
     src = resolve_source(source, text_field)
     args = _canonical(
         {
@@ -139,12 +120,36 @@ def prepare(
             "dtype": dtype,
         }
     )
+    return _prepare_text(source, src, out, args, tokenizer, num_proc, progress)
+
+
+def _refuse_chat_flags(source, chat_template, val_source) -> None:
+    """The chat-only options refused for a text corpus."""
+    if chat_template is not None or val_source is not None:
+        flag = "--chat-template" if chat_template is not None else "--val-source"
+        raise DataError(
+            f"{flag} is for chat data, and {source} is a text corpus (its first row has no "
+            "'messages', 'prompt'/'completion' or 'instruction'/'output'); drop it or use --chat"
+        )
+
+
+def _prepare_text(
+    source, src: Source, out: Path, args: dict, tokenizer, num_proc: int, progress: bool
+) -> Path:
+    """prepare() for a text corpus, with the options `args` records (the folder is made from
+    exactly what its manifest will say): the tokenizer trained on a sample of it (or the one
+    given copied), every document's tokens in shards, the manifest, the folder published."""
+    from data.manifest import dtype_for_vocab
+    from data.tokenizer import copy_hf_tokenizer, encoder, special_ids, train_tokenizer
+
+    max_docs, seed, val_fraction = args["max_docs"], args["seed"], args["val_fraction"]
+    vocab_size, sample_bytes = args["vocab_size"], args["sample_bytes"]
+    dtype, shard_tokens = args["dtype"], args["shard_tokens"]
     if _reuse(out, args) is not None:
         _log(progress, f"reusing {out}: already prepared with the same arguments")
         return out
     if next(_documents(src, max_docs), None) is None:
         raise DataError(f"empty corpus: {source} yields no non-empty documents")
-
     tmp = scratch_folder(out)
     try:
         tok_dir = tmp / TOKENIZER_DIR
@@ -189,6 +194,17 @@ def prepare(
     return out
 
 
+def _check_dtype(tokenizer, vocab_size: int, dtype: str) -> None:
+    """Fail now, before any work, if the vocabulary cannot fit the shard dtype."""
+    from data.manifest import dtype_for_vocab
+    from data.tokenizer import check_hf_tokenizer
+
+    if tokenizer is None:
+        dtype_for_vocab(vocab_size, dtype)
+    else:
+        dtype_for_vocab(check_hf_tokenizer(tokenizer)["vocab_size"], dtype)
+
+
 def _prepare_chat(
     source,
     out,
@@ -207,20 +223,11 @@ def _prepare_chat(
 ) -> Path:
     """prepare() for chat/instruction JSONL (data/chat.py); the same folder layout, each shard
     with its loss mask."""
-    from data.chat import TOO_LONG, TRAIN_ON, chat_files, chat_template_of, write_chat_splits
+    from data.chat import chat_files, chat_template_of, write_chat_splits
     from data.manifest import dtype_for_vocab
     from data.tokenizer import check_hf_tokenizer, copy_hf_tokenizer, special_ids
 
-    if tokenizer is None:
-        raise DataError(
-            f"{source} is chat data: give the model's tokenizer with --tokenizer HF_DIR"
-        )
-    if train_on not in TRAIN_ON:
-        raise DataError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
-    if too_long not in TOO_LONG:
-        raise DataError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {too_long!r}")
-    if seq_len < 1:
-        raise DataError(f"--seq-len must be at least 1, got {seq_len}")
+    _check_chat_options(source, tokenizer, train_on, too_long, seq_len)
     out = Path(out)
     _check_options(8192, 1, val_fraction, None, 1, shard_tokens)
     vocab = check_hf_tokenizer(tokenizer)["vocab_size"]
@@ -275,13 +282,33 @@ def _prepare_chat(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _log(
-        progress,
+    _log(progress, _chat_counts_line(counts))
+    return out
+
+
+def _check_chat_options(source, tokenizer, train_on: str, too_long: str, seq_len: int) -> None:
+    """What chat data needs: the model's tokenizer, and --train-on, --too-long and --seq-len in
+    their domains."""
+    from data.chat import TOO_LONG, TRAIN_ON
+
+    if tokenizer is None:
+        raise DataError(
+            f"{source} is chat data: give the model's tokenizer with --tokenizer HF_DIR"
+        )
+    if train_on not in TRAIN_ON:
+        raise DataError(f"--train-on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    if too_long not in TOO_LONG:
+        raise DataError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {too_long!r}")
+    if seq_len < 1:
+        raise DataError(f"--seq-len must be at least 1, got {seq_len}")
+
+
+def _chat_counts_line(counts) -> str:
+    return (
         f"{counts.examples} examples ({counts.truncated} truncated, {counts.dropped_too_long} "
         f"dropped as too long, {counts.dropped_untrained} with nothing to train on); trained "
-        f"tokens: {counts.trained_tokens}",
+        f"tokens: {counts.trained_tokens}"
     )
-    return out
 
 
 def _manifest(source, detail: str, ids: dict, dtype: str, tok_dir: Path, args, splits) -> Manifest:
@@ -405,7 +432,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 32M)") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
     p.add_argument(
         "--source",
@@ -461,7 +488,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=["truncate", "drop"],
         help="what becomes of a longer example",
     )
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     try:
         out = prepare(
             a.source,

@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
+
+from launch.command import launcher_command
+from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -44,12 +46,6 @@ def sections(**values) -> dict:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(
     args: list[str],
     nproc: int = 2,
@@ -61,17 +57,8 @@ def launch(
 ) -> subprocess.CompletedProcess:
     """Run `script` under torchrun with `nproc` ranks (a real gloo group on CPU). `as_shipped`:
     the trainer's defaults as a user gets them (compiled blocks on a CPU included)."""
-    cmd = [
-        PY,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        script,
-        *train_args(args, script, as_shipped),
-    ]
+    program = [script, *train_args(args, script, as_shipped)]
+    cmd = launcher_command("torchrun", nproc, program, port=free_port(), python=PY)
     marker = uuid.uuid4().hex  # finds this launch's ranks if it times out
     full_env = {
         **os.environ,

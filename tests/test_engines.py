@@ -305,7 +305,8 @@ def test_compare_report_from_the_runs(runs, tiny_data, init_model, tmp_path):
     itself only adds launching them: `python -m benchmarks.compare --steps 6 --model tiny`)."""
     import argparse
 
-    from benchmarks.compare import summarize, write_report
+    from benchmarks.compare.report import write_report
+    from benchmarks.compare.runs import summarize
 
     rows = [summarize(runs[name], name) for name in ENGINES]
     a = argparse.Namespace(
@@ -335,7 +336,7 @@ def test_a_run_from_step_0_does_not_mix_in_an_earlier_runs_metrics(tiny_data, in
     comparison row holds its own run only, not every run left in runs/compare."""
     import argparse
 
-    from benchmarks.compare import run_engine
+    from benchmarks.compare.runs import run_engine
 
     stale = tmp_path / "ddp"
     stale.mkdir()
@@ -362,7 +363,7 @@ def test_a_run_from_step_0_does_not_mix_in_an_earlier_runs_metrics(tiny_data, in
 def test_compare_floors_use_paired_rounds():
     """With repeats, a floor is the median of per-round ratios, not best against best: a fast
     spell in one round must not decide it."""
-    from benchmarks.compare import floor_ratio
+    from benchmarks.compare.runs import floor_ratio
 
     ddp = {"tokens_per_s": 3561, "all_tokens_per_s": [3543, 3444, 3561]}
     ref = {"tokens_per_s": 3774, "all_tokens_per_s": [3328, 3774, 3514]}
@@ -377,7 +378,7 @@ def test_compare_keeps_the_global_batch_for_every_layout():
     sequence, pipeline) proportionally more accumulation: every row steps on the same batch."""
     import argparse
 
-    from benchmarks.compare import job_flags, replicas
+    from benchmarks.compare.runs import job_flags, replicas
 
     a = argparse.Namespace(
         data="d",

@@ -20,7 +20,8 @@ from training.checkpoints import layout as ckpt
 from training.checkpoints.export import export_report
 from training.checkpoints.weights import load_lora_model
 from training.checkpoints.zero_files import ZeroFiles
-from training.memory.plan import plan, shape_of_config, shape_of_run, with_lora
+from training.memory.plan import plan
+from training.memory.shape import shape_of_config, shape_of_run, with_lora
 
 LORA = ["--lora", "r=4,alpha=16,dropout=0.0"]
 RUN = [

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from models import (
     to_llama_state_dict,
 )
 from models.llama import apply_rope, rope_cos_sin, rotate_half
+from training.runtime.distributed import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -348,11 +348,12 @@ def one_rank_group():
     import deepspeed
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
     )
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -8,12 +8,14 @@ __main__ part.
 
 import math
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from launch.command import launcher_command
+from training.runtime.distributed import free_port
 
 pytestmark = pytest.mark.slow  # a real 2-rank process group
 
@@ -27,22 +29,9 @@ ZERO3 = {
 
 
 def test_zero3_init_partitions_presets_and_llama_folders(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(port),
-    ]
+    cmd = launcher_command("torchrun", 2, [__file__, str(tmp_path)], port=free_port())
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(
-        [*cmd, __file__, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
-    )
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("ZERO3 OK") == 2, out.stdout[-3000:]
 

@@ -19,6 +19,8 @@ import psutil
 import pytest
 from conftest import PY, REPO, TINY_RUN, free_port, launch, read_metrics, shm_has_room
 
+from launch.command import launcher_command
+
 STEPS = 12
 COMMON = TINY_RUN
 
@@ -59,9 +61,8 @@ class Job:
 
     @classmethod
     def torchrun(cls, train_args: list[str], env: dict | None = None, nproc: int = 2) -> Job:
-        cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-        cmd += ["--master_port", str(free_port()), "training/train.py", *train_args]
-        return cls(cmd, env)
+        program = ["training/train.py", *train_args]
+        return cls(launcher_command("torchrun", nproc, program, port=free_port(), python=PY), env)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -122,8 +123,8 @@ class Job:
 def launch_with_file_limit(train_args: list[str], limit_files) -> str:
     """A 2-rank trainer launch whose every process starts with `limit_files()` applied (an
     RLIMIT_FSIZE: a disk that fills up); returns its output."""
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_port", str(free_port()), "training/train.py", *train_args]
+    program = ["training/train.py", *train_args]
+    cmd = launcher_command("torchrun", 2, program, port=free_port(), python=PY)
     p = subprocess.run(
         cmd,
         cwd=REPO,
@@ -200,9 +201,8 @@ def test_the_watchdog_names_a_rank_frozen_before_a_shared_memory_all_reduce(tmp_
     inside --dist-timeout, and rank 0 exits 4."""
     if not shm_has_room():
         pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_port", str(free_port()), "tests/scripts/shm_frozen_peer.py"]
-    job = Job([*cmd, str(tmp_path), "120"])
+    program = ["tests/scripts/shm_frozen_peer.py", str(tmp_path), "120"]
+    job = Job(launcher_command("torchrun", 2, program, port=free_port(), python=PY))
     frozen = int(job.wait_for(r"rank 1 pid (\d+) ready").group(1))
     job.ranks.add(frozen)
     started = time.time()

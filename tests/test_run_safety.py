@@ -19,6 +19,7 @@ import pytest
 from conftest import PY, REPO, free_port, launch
 from test_reliability import Job, args, rank_exit_codes
 
+from launch.command import launcher_command
 from training.errors import ConfigError
 from training.runtime import runlock
 
@@ -105,8 +106,7 @@ HOLD = "tests/scripts/hold_save_train.py"
 def test_a_second_launch_on_a_busy_run_folder_is_refused(tiny_data, tmp_path):
     out = tmp_path / "run"
     run = args(tiny_data, out, steps=4, save_every=2)
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
-    cmd += ["--master_port", str(free_port()), HOLD, *run]
+    cmd = launcher_command("torchrun", 1, [HOLD, *run], port=free_port(), python=PY)
     job = Job(cmd, env={"ZEROSTACK_TEST_HOLD_SAVE": "2:600"})
     job.wait_for(r"holding save of step_00000002 open")
     holder = json.loads((out / "run.lock").read_text())["pid"]  # rank 0 holds it

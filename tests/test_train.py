@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from conftest import (
@@ -20,6 +19,8 @@ from conftest import (
     read_metrics,
     shm_has_room,
 )
+
+from launch.command import launcher_command
 
 CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fp32"]
 COMMON = TINY_RUN
@@ -194,17 +195,11 @@ def test_exact_resume_is_bitwise(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_kill_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
     out = tmp_path / "killed"
-    cmd = [
-        PY,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
+    program = [
         "tests/scripts/hold_save_train.py",  # holds the save of step 4 open
         *train_args(tiny_data, out, "--steps", "6", "--save-every", "2"),
     ]
+    cmd = launcher_command("torchrun", 2, program, port=free_port(), python=PY)
     marker = f"kill-during-save-{os.getpid()}"
     env = {
         **os.environ,
@@ -288,15 +283,16 @@ def test_deepspeed_launcher_runs_the_entry_point(tiny_data, tmp_path):
     """The quickstart's way in: `deepspeed --num_gpus 2 training/train.py` (passes --local_rank)."""
     out = tmp_path / "dslauncher"
     p = subprocess.run(
-        [
-            str(Path(PY).parent / "deepspeed"),
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "training/train.py",
-            *train_args(tiny_data, out, "--steps", "2", "--save-every", "-1"),
-        ],
+        launcher_command(
+            "deepspeed",
+            2,
+            [
+                "training/train.py",
+                *train_args(tiny_data, out, "--steps", "2", "--save-every", "-1"),
+            ],
+            port=free_port(),
+            python=PY,
+        ),
         cwd=REPO,
         capture_output=True,
         text=True,

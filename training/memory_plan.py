@@ -1,9 +1,9 @@
 """The command `python -m training.memory_plan`: what one rank will hold, and the cheapest config
-that fits. The library is training/memory/plan.py; this file only runs its `main`."""
+that fits. The library is training/memory/ (the command: command.py); this file only runs its `main`."""
 
 import sys
 
-from training.memory.plan import main
+from training.memory.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

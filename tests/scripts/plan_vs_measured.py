@@ -24,6 +24,7 @@ from data import load_manifest
 from training.engines import OptimizerConfig, build_engine
 from training.engines.construct import build_for_engine
 from training.memory import plan as memory_plan
+from training.memory.shape import model_shape
 from training.runtime import distributed
 from training.settings import ds_config, flags
 from training.settings.hparams import DEFAULTS as D
@@ -33,7 +34,7 @@ def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
     argv = ["--data", data, "--out", "-", "--model", model, "--micro-batch", "1"]
     s = flags.parse([*argv, "--grad-accum", "2"])
     vocab = load_manifest(data).vocab_size
-    shape = memory_plan.model_shape(model, vocab)
+    shape = model_shape(model, vocab)
     raw = ds_config.load_json(ds_config.CONFIG_DIR / f"{name}.json")
     ds_cfg = ds_config.resolve(
         raw, world=dist.world, optim=s.optim, engine=s.engine, hidden_size=shape.hidden

@@ -14,8 +14,7 @@ from training.engines.base import Engine, OptimizerConfig, StepResult, model_inp
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.memory.state_bytes import state_bytes
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from training.runtime.flops import DTYPES
 
 
 class NativeEngine(Engine):

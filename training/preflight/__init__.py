@@ -21,7 +21,7 @@ from training.checkpoints.resume import ResumePlan, plan_resume
 from training.checkpoints.universal import Topology
 from training.engines.base import OptimizerConfig
 from training.loop.schedule import Schedule
-from training.memory.plan import shape_of_config
+from training.memory.shape import shape_of_config
 from training.preflight import precision as precisions
 from training.preflight.command_line import check_flags, check_launch_env
 from training.preflight.engine import (
@@ -92,7 +92,7 @@ class Prepared:
     # What settle_precision re-resolves the config from when a CPU's measurement changes the plan
     raw_config: dict | None = None  # flags applied, precision not
     host: Host | None = None
-    shape: object = None  # the model's counted shape (memory/plan.py)
+    shape: object = None  # the model's counted shape (memory/shape.py)
     followups: tuple = ()  # background work on sealed checkpoints (loop/followups.py: Job)
 
     @property

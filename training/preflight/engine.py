@@ -7,7 +7,7 @@ from data.manifest import DataError
 from models import PRESETS
 from models.errors import ModelError
 from training.errors import ConfigError
-from training.memory.plan import ModelShape, with_lora
+from training.memory.shape import ModelShape, with_lora
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, parallel
 from training.settings.config import RunConfig

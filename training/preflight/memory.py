@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from training.errors import ConfigError
-from training.memory import oom, plan
+from training.memory import oom
+from training.memory.plan import HEADROOM
+from training.memory.verdict import check_run
 from training.settings import ds_config, nvme, parallel
 from training.settings.config import RunConfig
 
@@ -17,7 +19,7 @@ def check_memory(
     ranks_per_host: int,
     background: int = 0,
 ) -> None:
-    """The memory plan (training/memory/plan.py) before any rank allocates the model: a run it
+    """The memory plan (training/memory/verdict.py) before any rank allocates the model: a run it
     says cannot fit is refused, naming the shipped config that would (--force tries anyway).
     The plan's advice is kept for a rank that runs out of memory later (training/guard.py).
     `background`: what rank 0's background work on checkpoints adds to its host
@@ -45,7 +47,7 @@ def check_memory(
 def _verdict(config, cfg, cfg_path, shape, world, ranks_per_host, async_save):
     zero = cfg.get("zero_optimization", {})
     swap = next((zero[s]["nvme_path"] for s in nvme.nvme_sections(cfg)), None)
-    return plan.check_run(
+    return check_run(
         shape,
         cfg,
         world,
@@ -70,7 +72,7 @@ def _check_background(verdict, background: int, cfg_path: str) -> None:
     ranks = p.ranks_per_host * (
         p.total("device") + p.total("host") if cap.device_type == "cpu" else p.total("host")
     )
-    if ranks + background <= plan.HEADROOM * cap.host_bytes:
+    if ranks + background <= HEADROOM * cap.host_bytes:
         return
     raise ConfigError(
         f"{cfg_path}: the background export/universal/task work on checkpoints "

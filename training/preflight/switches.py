@@ -17,7 +17,7 @@ import psutil
 
 from models.compile import cxx_compiler
 from training.errors import ConfigError
-from training.memory import plan
+from training.memory.fit import one_cpu_host_holds, zero3_holds_whole
 from training.preflight.hosts import host_layout
 from training.runtime import patches
 from training.settings import ds_config, parallel
@@ -140,7 +140,7 @@ def compile_by_default(
 def _hold_weights(config, cfg, host, params, ours, precision) -> tuple[bool, str]:
     """ZeRO-3: the whole model under the persistence threshold, so every weight stays gathered
     across the micro-steps of a step and is gathered once after the optimizer step
-    (memory/plan.py: zero3_holds_whole). FSDP2: the last micro-step's gathered weights and whole
+    (memory/fit.py: zero3_holds_whole). FSDP2: the last micro-step's gathered weights and whole
     gradients kept through its backward (engines/fsdp.py). On a CPU with every rank on this
     host, and only when what is held fits (both are also how a model too big for ZeRO-2/DDP
     fits)."""
@@ -163,8 +163,8 @@ def _hold_weights(config, cfg, host, params, ours, precision) -> tuple[bool, str
         return config.host.hold_weights == "on", f"--hold-weights {config.host.hold_weights}"
     where = (host.world, host.ranks_here, host.memory_bytes, host.device_type)
     if zero3:
-        return plan.zero3_holds_whole(cfg, params, *where)
-    return plan.one_cpu_host_holds(6 * params, *where)  # bf16 weights and fp32 gradients
+        return zero3_holds_whole(cfg, params, *where)
+    return one_cpu_host_holds(6 * params, *where)  # bf16 weights and fp32 gradients
 
 
 def _zero3_whole_blocks(config, cfg, host, params, ours, precision) -> tuple[bool, str]:

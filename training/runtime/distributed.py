@@ -60,7 +60,7 @@ def setup(
         env.setdefault("WORLD_SIZE", "1")
         env.setdefault("LOCAL_RANK", "0")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(_free_port()))
+        env.setdefault("MASTER_PORT", str(free_port()))
     rank = int(env["RANK"])
     world = int(env["WORLD_SIZE"])
     local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
@@ -170,7 +170,8 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

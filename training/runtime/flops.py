@@ -50,6 +50,7 @@ PROBE_ROWS = 1024  # tokens per probed product: larger adds time, not speed
 DRIFT_WARN = 0.10  # the end's ceiling this far from the start's: the host changed speed
 
 
+# The precision names flags use, read by the probe and by the native engines alike.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -1,0 +1,101 @@
+"""A model counted for the memory plan, without building it: its parameters (LoRA: which of
+them train), its largest module, its layers and widths, from a preset, an HF folder, a config
+or a run's resolved_config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from models import PRESETS, ModelError, ZeroStackConfig, ZeroStackForCausalLM, get_config, lora
+from models.hub import is_hub_name, resolve_pretrained
+
+
+@dataclass
+class ModelShape:
+    name: str
+    params: int
+    largest_layer: int  # parameters of the largest single module (ZeRO-3 gathers it whole)
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    # parameters that train (LoRA: the adapters; None: all). Frozen weights carry no gradients
+    # and no optimizer states.
+    trainable: int | None = None
+
+    @property
+    def trained(self) -> int:
+        return self.params if self.trainable is None else self.trainable
+
+
+def model_shape(spec: str, vocab_size: int | None = None, lora_spec=None) -> ModelShape:
+    """Count a preset's or an HF folder's parameters on the meta device (no memory, no weights);
+    with a LoraSpec, only its adapters train (`with_lora`)."""
+    if spec in PRESETS:
+        cfg = get_config(spec, **({"vocab_size": vocab_size} if vocab_size else {}))
+    elif is_hub_name(spec) or Path(spec).is_dir():
+        spec = str(resolve_pretrained(spec, what="--model"))
+        if not (Path(spec) / "config.json").is_file():
+            raise ModelError(f"--model {spec}: folder has no config.json, so it holds no model")
+        cfg = AutoConfig.from_pretrained(spec)
+        if vocab_size and vocab_size > cfg.vocab_size:
+            cfg.vocab_size = vocab_size
+    else:
+        raise ModelError(f"--model {spec}: not a preset ({', '.join(PRESETS)}) and not a folder")
+    shape = shape_of_config(cfg, spec)
+    return with_lora(shape, cfg, lora_spec) if lora_spec else shape
+
+
+def shape_of_config(cfg, name: str) -> ModelShape:
+    """The ModelShape of a model config (ours or any HF causal LM's), built on the meta device."""
+    with torch.device("meta"):
+        if isinstance(cfg, ZeroStackConfig):
+            model = ZeroStackForCausalLM._from_config(cfg)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg)
+    # ds_numel: a ZeRO-3 model alive in this process makes transformers build under zero.Init
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
+    unique = {id(p): numel(p) for p in model.parameters()}  # tied weights count once
+    largest = max(sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules())
+    hidden = cfg.hidden_size  # HF configs map their own names (n_embd, ...) onto these
+    return ModelShape(
+        name=name,
+        params=sum(unique.values()),
+        largest_layer=largest,
+        layers=cfg.num_hidden_layers,
+        hidden=hidden,
+        intermediate=getattr(cfg, "intermediate_size", None) or 4 * hidden,
+        vocab=cfg.vocab_size,
+    )
+
+
+def with_lora(shape: ModelShape, cfg, spec) -> ModelShape:
+    """`shape` with the adapters of LoraSpec `spec` (models/lora.py) added and the rest frozen;
+    raises ModelError when a target matches no module."""
+    with torch.device("meta"):
+        if isinstance(cfg, ZeroStackConfig):
+            model = ZeroStackForCausalLM._from_config(cfg)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg)
+    added = lora.trainable_count(model, spec)
+    return replace(shape, params=shape.params + added, trainable=added)
+
+
+def shape_of_run(resolved: dict) -> ModelShape:
+    """The ModelShape of a run, from its resolved_config.json (no model is built)."""
+    c = resolved["model_config"]
+    h, inter = c["hidden_size"], c.get("intermediate_size") or 4 * c["hidden_size"]
+    return ModelShape(
+        name=str(resolved["flags"]["model"]),
+        params=int(resolved["n_params"]),
+        largest_layer=max(c["vocab_size"] * h, inter * h),
+        layers=c["num_hidden_layers"],
+        hidden=h,
+        intermediate=inter,
+        vocab=c["vocab_size"],
+        trainable=resolved.get("trainable_params") if resolved["flags"].get("lora") else None,
+    )
