@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import host
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -47,7 +47,7 @@ import psutil
 from benchmarks import scale_doc
 from benchmarks.host import timed as host_timed
 from benchmarks.provenance import busy_cpu_seconds, code_record, host_record
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable

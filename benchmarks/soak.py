@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent

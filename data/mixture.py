@@ -12,7 +12,7 @@ position), so a run resumes exactly and on any world size from `consumed_samples
   (reader.EpochOrder, keyed by (seed, source)): every sample of a source once per pass over it.
 
 All sources must share one tokenizer (checked from the manifests); evaluation reports each
-source's validation loss and bits per byte, and the mixture's (training/loop/evaluate.py).
+source's validation loss and bits per byte, and the mixture's (training/loop/validation.py).
 """
 
 from __future__ import annotations

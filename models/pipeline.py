@@ -1,6 +1,6 @@
 """The same model as a sequence of pipeline layers: embedding, one layer per block, final norm, head.
 
-training/engines/pipeline.py stacks them into a DeepSpeed `PipelineModule` (this package does not import
+training/engines/pipeline_engine.py stacks them into a DeepSpeed `PipelineModule` (this package does not import
 DeepSpeed).
 
 Layer i of the pipeline holds exactly the weights of one piece of `ZeroStackForCausalLM`, so the two state

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def train_args(args: list[str], script: str, as_shipped: bool = False) -> list[s
 def sections(**values) -> dict:
     """ds_config.resolve's keyword sections from settings named as flags (micro_batch=2,
     backend="ddp", activation_checkpointing=True): the run's optim and engine sections."""
-    from training.settings.config import EngineConfig, OptimConfig
+    from training.settings.run_config import EngineConfig, OptimConfig
 
     optim = {k: v for k, v in values.items() if k in OptimConfig.__dataclass_fields__}
     engine = {k: v for k, v in values.items() if k in EngineConfig.__dataclass_fields__}

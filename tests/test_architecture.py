@@ -517,7 +517,7 @@ def test_nothing_below_preflight_reads_the_environment_to_choose_behaviour():
 
 def test_every_flag_is_in_the_settings_reference():
     """docs/settings.md lists every flag of the trainer (the reference a user reads)."""
-    from training.settings.config import settings
+    from training.settings.run_config import settings
 
     text = (REPO / "docs" / "settings.md").read_text()
     missing = [s.flag for s in settings() if not s.hidden and f"`{s.flag}" not in text]

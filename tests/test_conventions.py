@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from training.settings.config import flat
 from training.settings.flags import parse, parser
+from training.settings.run_config import flat
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--data", "D", "--out", "O"]

@@ -236,13 +236,13 @@ def test_model_state_bytes_fall_as_theory_says(tiny_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_native_checkpoint_exports_to_hf(runs, tmp_path, backend):
-    """The final checkpoint goes through training/checkpoints/export.py like DeepSpeed's; stock
+    """The final checkpoint goes through training/checkpoints/hf_export.py like DeepSpeed's; stock
     transformers reloads it and its logits match our model holding the checkpoint's weights."""
     from transformers import AutoModelForCausalLM
 
     from models import ZeroStackForCausalLM
     from training.checkpoints import layout as ckpt
-    from training.checkpoints.export import export
+    from training.checkpoints.hf_export import export
     from training.checkpoints.weights import config_from_dict
     from training.engines import load_full_state_dict
 

@@ -185,7 +185,7 @@ def test_harness_loglikelihood_equals_our_checkpoints_own_loss(trained_run, tmp_
     from transformers import AutoTokenizer
 
     from training.checkpoints import layout as ckpt
-    from training.checkpoints.export import export
+    from training.checkpoints.hf_export import export
     from training.checkpoints.weights import load_model
 
     root, tag = ckpt.locate(trained_run)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.checkpoints import layout as ckpt
-from training.checkpoints.export import export, export_report, main
+from training.checkpoints.hf_export import export, export_report, main
 from training.checkpoints.weights import load_model
 
 pytestmark = pytest.mark.slow  # every test exports the checkpoints of real runs (resumed_runs)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 
 
 def test_torchrun_and_deepspeed_argv():

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from models import ModelError, ZeroStackForCausalLM, build_model, get_config, save_llama
 from models.lora import LoraSpec, apply_lora, is_adapter, parse_lora, targets, to_llama_adapter
 from training.checkpoints import layout as ckpt
-from training.checkpoints.export import export_report
+from training.checkpoints.hf_export import export_report
 from training.checkpoints.weights import load_lora_model
 from training.checkpoints.zero_files import ZeroFiles
 from training.memory.plan import plan

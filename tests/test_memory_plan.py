@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import launch
 
-from training.memory import command as memory_plan
+from training.memory import plan_command as memory_plan
 
 STAGES = ["zero0", "zero1", "zero2", "zero3"]
 # ZeRO-3 last: its model stays partitioned in the process (transformers' zero.Init hook)

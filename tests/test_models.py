@@ -369,7 +369,9 @@ def one_rank_group():
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_pipeline_layers_reassemble_into_the_model(one_rank_group, tied):
-    from training.engines.pipeline import build_pipeline_module  # the engine stacks our layers
+    from training.engines.pipeline_engine import (
+        build_pipeline_module,  # the engine stacks our layers
+    )
 
     config = tiny(tie_word_embeddings=tied)
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 from training.runtime.distributed import free_port
 
 pytestmark = pytest.mark.slow  # a real 2-rank process group

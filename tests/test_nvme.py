@@ -14,7 +14,7 @@ import torch
 from conftest import TINY_RUN, launch, read_metrics
 
 from training.checkpoints import layout as ckpt
-from training.checkpoints.export import main as export_main
+from training.checkpoints.hf_export import main as export_main
 from training.checkpoints.zero_files import ZeroFiles
 from training.errors import CheckpointError
 from training.train import main

@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM
 from data import BatchLoader
 from data.mixture import open_split
 from training.checkpoints import layout as ckpt
-from training.checkpoints.export import export_report
-from training.checkpoints.universal import Topology, plan
+from training.checkpoints.hf_export import export_report
+from training.checkpoints.universal_copy import Topology, plan
 from training.checkpoints.zero_files import STATE_KEYS, ZeroFiles
 from training.errors import CheckpointError
 

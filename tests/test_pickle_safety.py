@@ -217,10 +217,10 @@ def test_conversion_and_export_refuse_a_planted_zero_file(runs, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["trainer_state", "ddp_optim"])
 def test_export_refuses_a_planted_trainer_state_or_optimizer_file(runs, tmp_path, kind, capsys):
-    from training.checkpoints import export, universal
+    from training.checkpoints import hf_export, universal_copy
 
     run, marker = planted_copy(runs, kind, tmp_path)
-    assert export.main([str(run), "--out", str(tmp_path / "hf")]) == 2
-    assert universal.main([str(run)]) == 2
+    assert hf_export.main([str(run), "--out", str(tmp_path / "hf")]) == 2
+    assert universal_copy.main([str(run)]) == 2
     err = capsys.readouterr().err
     assert err.count("refusing to load it") == 2 and not marker.exists()

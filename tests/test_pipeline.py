@@ -127,7 +127,7 @@ def test_pp2_x_dp2_on_four_ranks_trains_matches_and_exports(runs, tiny_data, tmp
     from transformers import AutoModelForCausalLM
 
     from data import TokenDataset, eval_batches
-    from training.checkpoints.export import main as export_main
+    from training.checkpoints.hf_export import main as export_main
 
     hf = {}
     for name, run in (("four", out), ("two", runs["pp2"])):
@@ -157,7 +157,7 @@ def test_fp32_pipeline_exports_from_layer_files_and_imports_exactly(tiny_data, t
     keeps its fp32 weights as fp32 masters (each stage sets its own), not their bf16 copy."""
     from safetensors.torch import load_file
 
-    from training.checkpoints.export import main as export_main
+    from training.checkpoints.hf_export import main as export_main
 
     cfg = json.loads((REPO / "ds_configs" / "pipeline.json").read_text())
     del cfg["bf16"], cfg["data_types"]

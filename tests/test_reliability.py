@@ -19,7 +19,7 @@ import psutil
 import pytest
 from conftest import PY, REPO, TINY_RUN, free_port, launch, read_metrics, shm_has_room
 
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 
 STEPS = 12
 COMMON = TINY_RUN

@@ -1,4 +1,4 @@
-"""The run's configuration: one typed tree (training/settings/config.py), read from the flags
+"""The run's configuration: one typed tree (training/settings/run_config.py), read from the flags
 over a run file (--config), grouped in --help and in docs/settings.md as declared, each section
 read only by its owner, and a run replayed from the file it writes."""
 
@@ -15,9 +15,9 @@ import yaml
 from conftest import REPO, TINY_RUN, launch, read_metrics
 
 from training.errors import ConfigError
-from training.settings import config as tree
-from training.settings import flags, reference, runfile
-from training.settings.config import GROUPS, RunConfig, nested, settings
+from training.settings import flags, runfile, settings_doc
+from training.settings import run_config as tree
+from training.settings.run_config import GROUPS, RunConfig, nested, settings
 
 BASE = ["--data", "D", "--out", "O"]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -143,8 +143,8 @@ def test_help_lists_every_setting_in_its_group_with_its_default():
 
 
 def test_the_settings_reference_is_rendered_from_the_tree():
-    doc = reference.DOC.read_text()
-    assert reference.rewrite(doc) == doc, "run python -m training.settings.reference"
+    doc = settings_doc.DOC.read_text()
+    assert settings_doc.rewrite(doc) == doc, "run python -m training.settings.settings_doc"
 
 
 def test_a_new_setting_appears_in_help_and_in_the_reference(monkeypatch):
@@ -169,7 +169,7 @@ def test_a_new_setting_appears_in_help_and_in_the_reference(monkeypatch):
     monkeypatch.setattr(tree, "SECTIONS", {**tree.SECTIONS, "checkpoint": Checkpoint})
     monkeypatch.setattr(typing, "get_type_hints", _hints_with(Run, hints))
     assert "--verify-every" in _help_sections()["checkpoints"]
-    assert "| `--verify-every` | `checkpoint.verify_every` | 0 |" in reference.render()
+    assert "| `--verify-every` | `checkpoint.verify_every` | 0 |" in settings_doc.render()
 
 
 def _hints_with(cls, hints):
@@ -189,7 +189,11 @@ OWNERS = {
     "OptimConfig": ("training.settings", "training.memory"),
     "CheckpointConfig": ("training.loop",),
 }
-TREE_MODULES = ("training.settings.config", "training.settings.flags", "training.settings.runfile")
+TREE_MODULES = (
+    "training.settings.run_config",
+    "training.settings.flags",
+    "training.settings.runfile",
+)
 
 
 def _module(path: Path) -> str:
@@ -199,7 +203,7 @@ def _module(path: Path) -> str:
 def _imports_from_config(tree_: ast.AST) -> set[str]:
     names = set()
     for node in ast.walk(tree_):
-        if isinstance(node, ast.ImportFrom) and node.module == "training.settings.config":
+        if isinstance(node, ast.ImportFrom) and node.module == "training.settings.run_config":
             names |= {a.name for a in node.names}
     return names
 

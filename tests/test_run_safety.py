@@ -19,7 +19,7 @@ import pytest
 from conftest import PY, REPO, free_port, launch
 from test_reliability import Job, args, rank_exit_codes
 
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 from training.errors import ConfigError
 from training.runtime import runlock
 
@@ -187,7 +187,7 @@ def test_damaged_checkpoints_are_named_kept_and_never_trained_over(tiny_data, tm
 def test_export_never_replaces_a_run_or_data_folder(tiny_data, tmp_path):
     """--overwrite refuses an --out that is, contains or lies inside a run or data folder (an
     earlier export inside a run, RUN/hf, may still be replaced); nothing is touched."""
-    from training.checkpoints.export import check_target
+    from training.checkpoints.hf_export import check_target
     from training.errors import ExportError
 
     runs = tmp_path / "runs"

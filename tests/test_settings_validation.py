@@ -18,7 +18,7 @@ from training.loop.schedule import Schedule
 from training.settings import ds_config as C
 from training.settings import hparams
 from training.settings import sections as keys
-from training.settings.config import OptimConfig
+from training.settings.run_config import OptimConfig
 from training.train import main
 
 

@@ -20,7 +20,7 @@ from conftest import (
     shm_has_room,
 )
 
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 
 CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fp32"]
 COMMON = TINY_RUN

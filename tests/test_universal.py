@@ -27,8 +27,8 @@ import torch
 from conftest import UNIVERSAL_ARGS, launch, read_metrics
 
 from training.checkpoints import layout as ckpt
-from training.checkpoints import universal
-from training.checkpoints.universal import Topology, ensure, model_name, plan
+from training.checkpoints import universal_copy
+from training.checkpoints.universal_copy import Topology, ensure, model_name, plan
 from training.checkpoints.zero_files import ZeroFiles
 from training.errors import CheckpointError
 
@@ -195,12 +195,12 @@ def test_resume_rules_and_flag(runs, tiny_data, tmp_path, capsys):
 def test_manual_conversion_command(runs, tmp_path, capsys):
     root = tmp_path / "run" / "checkpoints"
     shutil.copytree(step_dir(runs["ref"], 5), root / "step_00000005")
-    assert universal.main([str(tmp_path / "run")]) == 0
+    assert universal_copy.main([str(tmp_path / "run")]) == 0
     assert "step_00000005_universal" in capsys.readouterr().out
     assert_same_state(root / "step_00000005", root / "step_00000005_universal", tol=0)
     listing = json.loads((root / "step_00000005_universal" / "complete.json").read_text())
     assert listing["source_tag"] == "step_00000005"
-    assert universal.main([str(tmp_path / "run" / "7")]) == 2
+    assert universal_copy.main([str(tmp_path / "run" / "7")]) == 2
     assert "no checkpoint step_00000007" in capsys.readouterr().err
 
 

@@ -21,7 +21,7 @@ from models.hub import resolve_pretrained
 from training.runtime import cluster, patches
 from training.runtime.shm import routed_dtypes as shm_routed_dtypes
 from training.settings import ds_config, parallel, runfile
-from training.settings.config import flat, nested
+from training.settings.run_config import flat, nested
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,15 +10,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.checkpoints import layout, universal
-from training.checkpoints.resume import ResumePlan, verify_resume
+from training.checkpoints import layout, universal_copy
+from training.checkpoints.resume_plan import ResumePlan, verify_resume
 from training.errors import BAD_INPUT, CheckpointError, ConfigError
 from training.preflight import Prepared, probe_dtypes, rank0_printer, settle_precision
 from training.runtime import cluster, distributed, runlock
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, model_shapes, probe_ranks
 from training.runtime.shm import shared_memory_collectives
-from training.settings.config import RunConfig
+from training.settings.run_config import RunConfig
 
 
 @dataclass
@@ -63,7 +63,7 @@ def start(config: RunConfig, prepared: Prepared, run_dir: Path) -> Started:
     )
     cfg = prepared.ds_config
     if resume is not None and resume.universal:
-        universal_copy(resume, dist)
+        make_universal_copy(resume, dist)
         cfg = {**cfg, "checkpoint": {**cfg.get("checkpoint", {}), "load_universal": True}}
     return Started(dist, prepared, probed, resume, cfg, shm, accelerate)
 
@@ -104,11 +104,11 @@ def give_back_untouched() -> None:
     runlock.release()
 
 
-def universal_copy(plan: ResumePlan, dist: DistInfo) -> None:
+def make_universal_copy(plan: ResumePlan, dist: DistInfo) -> None:
     """Rank 0 converts the checkpoint once, beside it; the other ranks wait."""
     if dist.is_main:
         try:
-            universal.ensure(plan.root, plan.tag, log=lambda m: print(m, flush=True))
+            universal_copy.ensure(plan.root, plan.tag, log=lambda m: print(m, flush=True))
         except CheckpointError as e:  # the launcher then stops the others
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(BAD_INPUT)

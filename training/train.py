@@ -57,7 +57,7 @@ from training.runtime import distributed, signals
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, ceiling_drift, model_shapes, run_ceiling
 from training.settings import flags, nvme
-from training.settings.config import RunConfig
+from training.settings.run_config import RunConfig
 from training.startup import Started, give_back_untouched, start
 
 __all__ = ["RunConfig", "main"]

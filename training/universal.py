@@ -1,9 +1,9 @@
 """The command `python -m training.universal`: convert a DeepSpeed checkpoint to the universal
-format. The library is training/checkpoints/universal.py; this file only runs its `main`."""
+format. The library is training/checkpoints/universal_copy.py; this file only runs its `main`."""
 
 import sys
 
-from training.checkpoints.universal import main
+from training.checkpoints.universal_copy import main
 
 if __name__ == "__main__":
     sys.exit(main())

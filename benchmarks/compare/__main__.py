@@ -1,4 +1,4 @@
-from benchmarks.compare.command import main
+from benchmarks.compare.driver import main
 from training.runtime import distributed
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def _report_intro(a, done: list[dict]) -> list[str]:
         f"{a.grad_accum} accumulation x {a.ranks} ranks = {first.get('batch_tokens', 0):,} "
         f"tokens per step, {a.steps} steps, seed {a.seed}, the same schedule for all. Every row "
         f"is a real {a.ranks}-rank run of `training/train.py`; the reference is a few-line "
-        "nanoGPT-style DDP loop of the same model (`benchmarks/compare/reference.py`). "
+        "nanoGPT-style DDP loop of the same model (`benchmarks/compare/nanogpt_loop.py`). "
         "A run with fewer data-parallel replicas than ranks (tensor, sequence or pipeline "
         "parallel: replicas = world / (tp x sp x pp)) accumulates proportionally more "
         "micro-batches, so every row steps on the same global batch (the `ranks` column).",

@@ -1,5 +1,5 @@
 """What `python -m benchmarks.compare` runs and the figures it reads back: each engine as a real
-multi-rank run of training/train.py, each loop beside it (benchmarks/compare/reference.py,
+multi-rank run of training/train.py, each loop beside it (benchmarks/compare/nanogpt_loop.py,
 benchmarks/peer_hf.py) as its own program under torchrun, a finished run folder as a row, and
 the rounds of one row as one."""
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.command import launcher_command
+from launch.launcher_argv import launcher_command
 from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -219,7 +219,7 @@ def run_reference(a, repeat: int = 0, name: str = "reference") -> dict:
         args += ["--precision", "fp32"]
     hf = ["-m", "benchmarks.peer_hf"]
     program = {"hf_trainer": hf, "hf_trainer_fp32": hf, "hf_stock": [*hf, "--stock"]}.get(
-        name, ["-m", "benchmarks.compare.reference"]
+        name, ["-m", "benchmarks.compare.nanogpt_loop"]
     )
     p = _torchrun(a, [*program, *args], nproc=nproc)
     if p.returncode != 0:

@@ -17,9 +17,9 @@ from training.engines.ddp import load_full_state_dict as ddp_full_state_dict
 from training.engines.ds import DeepSpeedEngine
 from training.engines.fsdp import FSDPEngine
 from training.engines.fsdp import load_full_state_dict as fsdp_full_state_dict
-from training.engines.pipeline import PipelineEngine
-from training.settings.config import EngineConfig
+from training.engines.pipeline_engine import PipelineEngine
 from training.settings.ds_config import pipeline_stages
+from training.settings.run_config import EngineConfig
 
 __all__ = ["Engine", "OptimizerConfig", "StepResult", "build_engine", "load_full_state_dict"]
 

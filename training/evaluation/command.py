@@ -143,7 +143,7 @@ def _main(a) -> int:
         tm = harness.task_manager(names, [local, *includes])
         folder = target.path
         if target.run_dir is not None:
-            from training.checkpoints.export import export_report
+            from training.checkpoints.hf_export import export_report
 
             print(f"exporting {target.root / target.tag} for the harness ...", flush=True)
             folder = export_report(target.root / target.tag, work / "hf").folder

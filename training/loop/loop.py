@@ -16,11 +16,11 @@ import torch
 from data.examples import IGNORE_INDEX
 from training.engines.base import Engine, StepResult
 from training.loop.divergence import BadStepCounter
-from training.loop.evaluate import Evaluator
 from training.loop.profile import StepProfiler
 from training.loop.saver import Saver
 from training.loop.schedule import Schedule
 from training.loop.timer import StepTimer
+from training.loop.validation import Evaluator
 from training.memory.peak import peak_memory_bytes
 from training.runtime import liveness, signals
 from training.runtime.distributed import all_gather_object, all_reduce_scalars

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 
 from training.checkpoints import layout
-from training.checkpoints.resume import ResumePlan
+from training.checkpoints.resume_plan import ResumePlan
 from training.engines.base import Engine
 from training.errors import CheckpointError
 from training.loop.loop import LoopState

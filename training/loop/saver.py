@@ -19,7 +19,7 @@ from pathlib import Path
 
 from training.checkpoints import layout
 from training.runtime.distributed import all_reduce_scalars
-from training.settings.config import CheckpointConfig
+from training.settings.run_config import CheckpointConfig
 
 # What a save in flight gets to finish after a stop signal: well inside the 30 s a scheduler
 # usually allows between SIGTERM and SIGKILL, leaving room to exit.

@@ -10,9 +10,9 @@ from training.memory.capacity import Capacity, fits
 from training.memory.plan import Plan, fmt_bytes, plan
 from training.memory.shape import ModelShape
 from training.settings import ds_config
-from training.settings.config import OptimConfig
 from training.settings.ds_config import CONFIG_DIR
 from training.settings.flags import auto_unless
+from training.settings.run_config import OptimConfig
 
 # Cheapest first: no sharding, then more sharding, then recomputation, then offload.
 CANDIDATES = [

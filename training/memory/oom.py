@@ -2,7 +2,7 @@
 under a memory limit, or a SIGKILL from the kernel's OOM killer) and saying how much it held and
 what the memory plan suggests instead.
 
-The suggestion is worked out before any work (preflight/memory.py calls `remember`), while memory is
+The suggestion is worked out before any work (preflight/memory_fit.py calls `remember`), while memory is
 plentiful: a rank that has just run out of it only formats a line."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ OOM_TEXT = re.compile(
     r"can't allocate memory|not enough memory|out of memory|Cannot allocate memory", re.I
 )
 
-_advice: str | None = None  # the planner's line for this run (preflight/memory.py sets it)
+_advice: str | None = None  # the planner's line for this run (preflight/memory_fit.py sets it)
 
 
 def remember(advice: str | None) -> None:

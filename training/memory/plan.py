@@ -1,7 +1,7 @@
 """The memory plan: what one rank will hold for a model, a DeepSpeed config and a world size, by
 category (parameters, gradients, optimizer states, buckets, working set, activations, heap,
 runtime) and location (device, host, NVMe). Whether that fits is capacity.py's, the cheapest
-config that does fit.py's, the trainer's check verdict.py's, the command command.py's.
+config that does fit.py's, the trainer's check verdict.py's, the command plan_command.py's.
 
 Model states per rank, P parameters, N data-parallel ranks, w bytes per 16-bit (2) or fp32 (4)
 parameter, as DeepSpeed 0.19 allocates them with our engine (mixed precision keeps fp32 master

@@ -17,21 +17,21 @@ from pathlib import Path
 from data import load_data
 from data.manifest import Manifest
 from models import pick_attention_kernel
-from training.checkpoints.resume import ResumePlan, plan_resume
-from training.checkpoints.universal import Topology
+from training.checkpoints.resume_plan import ResumePlan, plan_resume
+from training.checkpoints.universal_copy import Topology
 from training.engines.base import OptimizerConfig
 from training.loop.schedule import Schedule
 from training.memory.shape import shape_of_config
 from training.preflight import precision as precisions
 from training.preflight.command_line import check_flags, check_launch_env
-from training.preflight.engine import (
+from training.preflight.engine_support import (
     check_chat_data,
     check_engine,
     check_lora,
     check_parallel,
 )
-from training.preflight.followups import background_bytes, plan_followups
-from training.preflight.memory import check_memory
+from training.preflight.followup_plan import background_bytes, plan_followups
+from training.preflight.memory_fit import check_memory
 from training.preflight.model_folder import (
     check_lengths,
     check_model,
@@ -39,7 +39,7 @@ from training.preflight.model_folder import (
     model_overrides,
 )
 from training.preflight.precision import Precision
-from training.preflight.resume import check_resume_shape
+from training.preflight.resumed_model import check_resume_shape
 from training.preflight.run_folder import check_out
 from training.preflight.switches import (
     Host,
@@ -52,7 +52,7 @@ from training.runtime import patches
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, nvme, parallel
-from training.settings.config import RunConfig
+from training.settings.run_config import RunConfig
 
 __all__ = [
     "Precision",

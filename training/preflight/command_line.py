@@ -9,7 +9,7 @@ import os
 
 from training.errors import ConfigError
 from training.loop.profile import parse_span
-from training.settings.config import RunConfig, flat, settings
+from training.settings.run_config import RunConfig, flat, settings
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

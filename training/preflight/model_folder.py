@@ -13,7 +13,7 @@ from models import PRESETS, ModelError, cpu_attention, get_config
 from models.hub import resolve_pretrained
 from training.errors import ConfigError
 from training.runtime import safe_load
-from training.settings.config import RunConfig
+from training.settings.run_config import RunConfig
 
 
 def model_overrides(spec: str, seq_len: int) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from data.manifest import MANIFEST
 from training.errors import ConfigError
-from training.settings.config import RunConfig
+from training.settings.run_config import RunConfig
 
 
 def check_out(config: RunConfig) -> None:

@@ -21,8 +21,8 @@ from training.memory.fit import one_cpu_host_holds, zero3_holds_whole
 from training.preflight.hosts import host_layout
 from training.runtime import patches
 from training.settings import ds_config, parallel
-from training.settings.config import RunConfig
 from training.settings.flags import auto_unless
+from training.settings.run_config import RunConfig
 
 GiB = 2**30
 # Compiling the blocks costs its first step 17-25 s on a 2-core CPU (small preset; 18.6 s in

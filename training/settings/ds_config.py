@@ -18,7 +18,7 @@ from typing import Any
 
 from training.errors import ConfigError
 from training.settings import hparams, parallel, sections
-from training.settings.config import EngineConfig, OptimConfig
+from training.settings.run_config import EngineConfig, OptimConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"  # the shipped configs
 

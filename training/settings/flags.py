@@ -21,7 +21,7 @@ from models.errors import ModelError
 from models.lora import LoraSpec, parse_lora
 from training.errors import ConfigError
 from training.settings import runfile
-from training.settings.config import GROUPS, REQUIRED, RunConfig, Setting, settings
+from training.settings.run_config import GROUPS, REQUIRED, RunConfig, Setting, settings
 
 DESCRIPTION = (
     "Train a causal LM with DeepSpeed, DDP or FSDP2. Settings come from their defaults, then "

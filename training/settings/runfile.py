@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from training.errors import ConfigError
-from training.settings.config import Setting, settings
+from training.settings.run_config import Setting, settings
 from training.settings.sections import near
 
 

@@ -4,7 +4,7 @@ Two moments decide it. Before any process group exists (`plan_resume`): `--resum
 run's latest complete checkpoint, `never` none (and refuses a run folder that holds some), a
 path names one; with auto, a checkpoint whose trainer state will not load gives way to the next
 older one; and the checkpoint loads either natively or, when the world size, ZeRO stage,
-pipeline, tensor- or sequence-parallel layout changed, through a universal copy (universal.py). Once the process group is up
+pipeline, tensor- or sequence-parallel layout changed, through a universal copy (universal_copy.py). Once the process group is up
 (`verify_resume`), every rank hashes a share of the checkpoint's files against their listing;
 with auto, a corrupt one again gives way to the next older one that verifies, and its load is
 planned anew. Falling back always says so, on rank 0, naming the damaged file; a run folder
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.checkpoints import integrity, layout, universal
-from training.checkpoints.universal import Topology
+from training.checkpoints import integrity, layout, universal_copy
+from training.checkpoints.universal_copy import Topology
 from training.errors import CheckpointError
 
 
@@ -37,7 +37,7 @@ class ResumePlan:
     @property
     def load_tag(self) -> str:
         """The folder the engine loads: the checkpoint, or its universal copy."""
-        return universal.universal_tag(self.tag) if self.universal else self.tag
+        return universal_copy.universal_tag(self.tag) if self.universal else self.tag
 
     def trainer_state(self) -> dict:
         """The checkpoint's trainer state, read (and its folder checked for planted pickles)
@@ -115,10 +115,10 @@ def _plan_load(root: Path, tag: str, now: Topology, mode: str, why: str) -> Resu
         raise  # already one line naming the file
     except Exception as e:  # damaged beyond unpickling
         raise CheckpointError(f"{root / tag}: unreadable trainer state ({e})") from None
-    use = universal.plan(saved, now, mode)
+    use = universal_copy.plan(saved, now, mode)
     if (root / tag / "offloaded_tensors").is_dir():
         use = _nvme_checkpoint(root / tag, now, mode, native=not use)
-    if use and not os.access(root, os.W_OK) and not universal.is_ready(root, tag):
+    if use and not os.access(root, os.W_OK) and not universal_copy.is_ready(root, tag):
         raise CheckpointError(
             f"{root / tag}: resuming on {now} needs a universal copy beside it, and {root} is "
             "not writable; copy the checkpoint somewhere writable and --resume from there"

@@ -10,7 +10,7 @@ from training.errors import ConfigError
 from training.memory.shape import ModelShape, with_lora
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, parallel
-from training.settings.config import RunConfig
+from training.settings.run_config import RunConfig
 
 
 def check_engine(config: RunConfig, cfg: dict, cfg_path: str, precision: str) -> None:

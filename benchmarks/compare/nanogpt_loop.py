@@ -1,5 +1,5 @@
 """One rank of the nanoGPT-style DDP loop that `python -m benchmarks.compare` runs beside the
-engines as the speed reference: `python -m benchmarks.compare.reference TRAIN_FLAGS...` under
+engines as the speed reference: `python -m benchmarks.compare.nanogpt_loop TRAIN_FLAGS...` under
 torchrun (benchmarks/compare/runs.py: run_reference starts it)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 `PipelineEngine.train_batch` runs a whole step at once (every micro-batch through every stage,
 then the optimizer step), so this engine buffers the loop's micro-batches and runs the step on
 the boundary. Everything else (lr, save, load) is the plain DeepSpeed engine's, except that a
-universal copy names parameters as the unpipelined model does (training/checkpoints/universal.py), so its
+universal copy names parameters as the unpipelined model does (training/checkpoints/universal_copy.py), so its
 parameters are looked up under those names while it loads.
 """
 
@@ -132,7 +132,7 @@ class PipelineEngine(DeepSpeedEngine):
         and the optimizer step) and returns the sum of the step's micro-batch losses, averaged
         over the data-parallel replicas; before the boundary it returns 0. So the loop's running
         sum and count still give the mean over micro-batches, as for the other engines."""
-        if num_items is not None:  # preflight refuses chat data here (preflight/engine.py)
+        if num_items is not None:  # preflight refuses chat data here (preflight/engine_support.py)
             raise ValueError("the pipeline engine does not weigh the loss by trained tokens")
         self._pending.append((x, y))
         if not boundary:

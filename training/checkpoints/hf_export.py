@@ -41,7 +41,7 @@ from models import ZeroStackForCausalLM
 from models.hf_adapter import to_llama_config, to_llama_state_dict
 from models.lora import adapter_state_dict, lora_config, parse_lora, to_llama_adapter
 from training.checkpoints import layout as ckpt
-from training.checkpoints.universal import Topology
+from training.checkpoints.universal_copy import Topology
 from training.checkpoints.weights import config_from_dict, load_lora_model, load_model
 from training.checkpoints.zero_files import release_freed_memory
 from training.errors import CheckpointError, ExportError, WeightsError

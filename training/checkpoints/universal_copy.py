@@ -18,7 +18,7 @@ complete.json, renamed to checkpoints/step_N_universal, and reused by later resu
 The copy names every parameter as the unpipelined model does (`layers.0.attention.wq.weight`),
 whatever wrote it: a pipeline checkpoint's `1.attention.wq.weight` is renamed here, and the
 pipeline engine looks its parameters up under the model's names when it loads a copy
-(training/engines/pipeline.py). So one copy resumes pipelined or not, on any number of stages.
+(training/engines/pipeline_engine.py). So one copy resumes pipelined or not, on any number of stages.
 
 An AutoTP checkpoint's slices are joined into whole parameters (zero_files.py, from the layout
 AutoTP records in the files), and DeepSpeed's loader cuts whole parameters again for the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from training.errors import ConfigError, EvalError
 from training.loop.followups import Job
-from training.settings.config import RunConfig
+from training.settings.run_config import RunConfig
 
 # A background export or universal conversion holds at most about two fp32 copies of the
 # weights (the checkpoint's, read a parameter at a time, and the model it verifies against);

@@ -7,7 +7,7 @@ from training.memory import oom
 from training.memory.plan import HEADROOM
 from training.memory.verdict import check_run
 from training.settings import ds_config, nvme, parallel
-from training.settings.config import RunConfig
+from training.settings.run_config import RunConfig
 
 
 def check_memory(
@@ -23,7 +23,7 @@ def check_memory(
     says cannot fit is refused, naming the shipped config that would (--force tries anyway).
     The plan's advice is kept for a rank that runs out of memory later (training/guard.py).
     `background`: what rank 0's background work on checkpoints adds to its host
-    (preflight/followups.py)."""
+    (preflight/followup_plan.py)."""
     verdict = _verdict(
         config, cfg, cfg_path, shape, world, ranks_per_host, config.checkpoint.async_save
     )
