@@ -522,3 +522,25 @@ def test_every_flag_is_in_the_settings_reference():
     text = (REPO / "docs" / "settings.md").read_text()
     missing = [s.flag for s in settings() if not s.hidden and f"`{s.flag}" not in text]
     assert not missing, f"flags missing from docs/settings.md: {missing}"
+
+
+# A file's name says its one job: no two modules of the product share one (a package's
+# __init__.py and __main__.py, and each package's own errors.py, excepted).
+SHARED_NAMES = {"__init__.py", "__main__.py", "errors.py"}
+
+
+def duplicate_names(paths: list[Path]) -> dict[str, list[str]]:
+    by_name: dict[str, list[str]] = {}
+    for p in paths:
+        if p.name not in SHARED_NAMES:
+            by_name.setdefault(p.name, []).append(str(p))
+    return {n: sorted(ps) for n, ps in by_name.items() if len(ps) > 1}
+
+
+def test_module_names_are_unique_across_the_tree():
+    roots = ("training", "models", "data", "launch", "benchmarks")
+    paths = [p.relative_to(REPO) for r in roots for p in (REPO / r).rglob("*.py")]
+    assert not duplicate_names(paths), duplicate_names(paths)
+    assert duplicate_names([Path("a/resume.py"), Path("b/resume.py")]) == {
+        "resume.py": ["a/resume.py", "b/resume.py"]
+    }
