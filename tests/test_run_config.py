@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import re
 import typing
 from pathlib import Path
@@ -65,7 +66,7 @@ def test_a_runs_record_is_a_run_file(tmp_path):
     """resolved_config.json's `config` (JSON is YAML) loads as the run it records."""
     c = flags.parse([*BASE, "--lora", "r=8,targets=q_proj,v_proj", "--steps", "12"])
     record = {"config": nested(c), "flags": {}, "ds_config": {}}
-    path = write(tmp_path, __import__("json").dumps(record), "resolved_config.json")
+    path = write(tmp_path, json.dumps(record), "resolved_config.json")
     assert flags.parse(["--config", path]) == c
 
 
@@ -270,6 +271,23 @@ def test_no_untyped_settings_dict_remains():
     assert not found, found
 
 
+# ------------------------------------------------------------------------ preflight's resolution
+def test_preflight_makes_every_auto_and_not_given_concrete(tiny_data, tmp_path):
+    from training.preflight import prepare_run
+
+    config = flags.parse(["--data", str(tiny_data), "--out", str(tmp_path / "run"), *TINY_RUN])
+    prepared = prepare_run(config, world=2)
+    r = prepared.config
+    assert prepared.asked == config and config.optim.warmup == 2 and config.optim.eps is None
+    assert None not in [v for k, v in vars(r.optim).items()], r.optim
+    assert (r.optim.micro_batch, r.optim.warmup, r.optim.eps) == (2, 2, 1e-8)
+    assert r.model.attention != "auto" and r.model.compile is False  # TINY_RUN: --no-compile
+    assert r.engine.ds_config.endswith("zero2.json") and r.engine.precision in ("bf16", "fp32")
+    assert r.host.hold_weights == "off" and r.host.zero3_whole_blocks == "off"  # ZeRO-2
+    assert {"optim.eps", "engine.precision", "model.compile", "host.grad_sum"} <= set(prepared.why)
+    assert prepared.why["model.compile"] == "--no-compile"
+
+
 # ------------------------------------------------------------------------------------- replay
 @pytest.mark.slow
 def test_a_run_replayed_from_its_record_logs_the_same_losses(tiny_data, tmp_path):
@@ -284,3 +302,6 @@ def test_a_run_replayed_from_its_record_logs_the_same_losses(tiny_data, tmp_path
     launch(["--config", str(record), "--out", str(again), "--save-every", "-1"])
     a, b = read_metrics(first), read_metrics(again)
     assert len(a) == 10 and [r["loss"] for r in a] == [r["loss"] for r in b]
+    saved = json.loads(record.read_text())
+    assert saved["resolved"]["optim"]["lr"] == 3e-3 and saved["resolved"]["optim"]["eps"] == 1e-8
+    assert saved["config"]["optim"]["eps"] is None and saved["why"]["optim.eps"]

@@ -28,7 +28,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_record(
     *,
-    config,
     prepared,
     facts: dict,
     engine,
@@ -41,27 +40,19 @@ def run_record(
 ) -> dict:
     """What resolved_config.json holds. `facts`: the built model's n_params, flops_per_token and
     model_config; `ceiling`: the run's matmul ceiling (runtime/flops.py: Ceiling). `flags` holds
-    every setting by its flag's name, with the values the run uses for those left to the config
-    or a default (lr, betas, ...) and the attention kernel picked."""
-    flags = {**flat(config), **prepared.effective_flags, "attention": prepared.attention}
-    manifest = prepared.manifest
+    every setting by its flag's name as the run uses it (every auto made concrete)."""
     layout = engine.layout()
     return {
-        "config": nested(config),  # the run file that replays this run (--config)
-        "flags": flags,
+        **settings_record(prepared),
         "ds_config_file": prepared.config_path,
+        "schedule": prepared.schedule.kind,
         "ds_config": prepared.ds_config,
         "model_config": facts["model_config"].to_dict(),
         "n_params": facts["n_params"],
         "trainable_params": facts.get("trainable_params"),
         "flops_per_token": facts["flops_per_token"],
         "compiled": facts.get("compiled"),  # --compile: what torch.compile compiled
-        "data": {
-            "dir": str(Path(parse_spec(flags["data"])[0].folder).resolve()),  # its tokenizer
-            "spec": flags["data"],
-            "source": manifest.source,
-            "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None),
-        },
+        "data": data_record(prepared.config.data.path, prepared.manifest),
         "world": dist.world,
         # world = data x tensor x sequence x pipeline (settings/parallel.py)
         "parallel": asdict(parallel.layout(prepared.ds_config, dist.world, "config"))
@@ -105,6 +96,28 @@ def run_record(
         "peak_flops": ceiling.as_record(),  # where that came from, each rank's probe
         "versions": versions(),
         "git_commit": git_commit(),
+    }
+
+
+def settings_record(prepared) -> dict:
+    """The run's configuration three ways: as asked (`config`: the run file that replays the
+    run, --config), as the run used it (`resolved`, every auto made concrete, with `why`), and
+    flat by flag name (`flags`, the resolved values)."""
+    return {
+        "config": nested(prepared.asked),
+        "resolved": nested(prepared.config),
+        "why": prepared.why,
+        "flags": flat(prepared.config),
+    }
+
+
+def data_record(spec: str, manifest) -> dict:
+    """Where the data is (its first folder holds the tokenizer) and what it was made from."""
+    return {
+        "dir": str(Path(parse_spec(spec)[0].folder).resolve()),
+        "spec": spec,
+        "source": manifest.source,
+        "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None),
     }
 
 

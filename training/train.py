@@ -79,6 +79,7 @@ def train(config: RunConfig, prepared: Prepared) -> int:
     run_dir = Path(config.out)
     started = start(config, prepared, run_dir)
     dist, prepared = started.dist, started.prepared  # its precision settled
+    config = prepared.config  # every auto made concrete (preflight/resolved.py)
     done = started.resume.trainer_state()["step"] if started.resume else 0
     if done >= config.optim.steps:  # a launch that changes nothing rewrites nothing of the run
         if dist.is_main:
@@ -92,13 +93,12 @@ def train(config: RunConfig, prepared: Prepared) -> int:
     loader, val_ds = make_loaders(config, prepared, engine)
     resume = started.resume
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
-    dtype = DTYPES[prepared.precision]
+    dtype = DTYPES[config.engine.precision]
     # Measured by all ranks at once, on this model's matmul shapes (runtime/flops.py): at the
     # start, where a CPU chose its precision by it, else now.
     shapes = model_shapes(facts["model_config"], prepared.micro_batch * config.data.seq_len)
     ceiling = run_ceiling(dist.device, dtype, shapes, config.logging.peak_tflops, started.probed)
     record = run_record(
-        config=config,
         prepared=prepared,
         facts=facts,
         engine=engine,
@@ -190,16 +190,16 @@ def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engi
         overrides=prepared.model_overrides,
         keep_freed=prepared.switches.keep_freed_memory,
     )
-    attention = prepared.attention  # picked in preflight
+    attention = config.model.attention  # picked in preflight
     set_attention_kernel(model, attention)  # the pipeline engine sets its own layers' kernel
     if config.data.doc_mask:  # documents end at EOS in the prepared data (data/shards.py)
         set_document_mask(model, prepared.manifest.eos_id)
-    if prepared.activation_checkpointing:  # the flag, or the config's section
+    if config.model.activation_checkpointing:  # the flag, or the config's section
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.model.lora is not None:  # frozen base, fresh adapters: what the engine trains
         model = apply_lora(model, config.model.lora, config.optim.seed)
     compiled = None
-    if prepared.compile:  # in place: parameter names and checkpoints are unchanged
+    if config.model.compile:  # in place: parameter names and checkpoints are unchanged
         n, what = compile_blocks(model)
         compiled = f"{n} x {what}" if n > 1 else what
     n_params = sum(getattr(w, "ds_numel", w.numel()) for w in model.parameters())
@@ -218,7 +218,7 @@ def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engi
         ds_config=started.ds_config,
         optimizer=prepared.optimizer,  # flag given > ds_config > default (settings/hparams.py)
         device=dist.device,
-        precision=prepared.precision,
+        precision=config.engine.precision,
         attention=attention,
         hold_weights=prepared.switches.hold_weights,
         zero3_whole_blocks=prepared.switches.zero3_whole_blocks,
@@ -226,7 +226,7 @@ def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engi
     )
     del model  # the pipeline engine keeps only its stage's layers: free the rest
     imported = config.model.name not in PRESETS and config.model.lora is None  # LoRA: no masters
-    if started.resume is None and prepared.precision != "fp32" and imported:
+    if started.resume is None and config.engine.precision != "fp32" and imported:
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.
         engine.set_master_weights(folder_weights(resolve_pretrained(config.model.name)))
     return engine, facts

@@ -10,6 +10,7 @@ environment to decide anything (the launcher's layout, the host's memory)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +40,7 @@ from training.preflight.model_folder import (
     model_overrides,
 )
 from training.preflight.precision import Precision
+from training.preflight.resolved import concrete
 from training.preflight.resumed_model import check_resume_shape
 from training.preflight.run_folder import check_out
 from training.preflight.switches import (
@@ -69,8 +71,10 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class Prepared:
-    """What the checks found, for train.py to execute."""
+    """What the checks found, for train.py to execute; `config` is the run's configuration as
+    it runs (every `auto` made concrete, `why` says why: preflight/resolved.py)."""
 
+    asked: RunConfig  # the configuration as given (flags over the run file)
     ds_config: dict  # resolved: no "auto" left, the batch triplet derived
     config_path: str
     precision: str  # bf16 | fp16 | fp32: what the run trains in (planned, until settled)
@@ -95,9 +99,19 @@ class Prepared:
     shape: object = None  # the model's counted shape (memory/shape.py)
     followups: tuple = ()  # background work on sealed checkpoints (loop/followups.py: Job)
 
+    @functools.cached_property
+    def _resolved(self) -> tuple[RunConfig, dict]:
+        return concrete(self.asked, self)
+
     @property
-    def compile(self) -> bool:
-        return self.switches.compile
+    def config(self) -> RunConfig:
+        """The tree as the run uses it: every `auto` and "not given" made concrete."""
+        return self._resolved[0]
+
+    @property
+    def why(self) -> dict[str, str]:
+        """{setting path: why it has its value} for each setting preflight decided."""
+        return self._resolved[1]
 
     @property
     def micro_batch(self) -> int:
@@ -106,23 +120,6 @@ class Prepared:
     @property
     def grad_accum(self) -> int:
         return self.ds_config["gradient_accumulation_steps"]
-
-    @property
-    def effective_flags(self) -> dict:
-        """The values the run uses for the flags that default to "not given" (lr, betas, ...),
-        for the run's record."""
-        o, sch = self.optimizer, self.schedule
-        return {
-            "lr": o.lr,
-            "beta1": o.betas[0],
-            "beta2": o.betas[1],
-            "eps": o.eps,
-            "weight_decay": o.weight_decay,
-            "warmup": sch.warmup,
-            "min_lr_ratio": sch.min_lr_ratio,
-            "schedule": sch.kind,
-            "activation_checkpointing": self.activation_checkpointing,
-        }
 
 
 def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
@@ -171,6 +168,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
         cfg, config.optim, config.engine.backend, cfg_path
     )
     prepared = Prepared(
+        asked=config,
         ds_config=cfg,
         config_path=cfg_path,
         precision=precision,

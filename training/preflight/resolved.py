@@ -1,0 +1,77 @@
+"""The run's configuration as it runs: the tree that was asked for with every `auto` and every
+"not given" made concrete from what preflight found (the DeepSpeed config as resolved, the
+optimizer's numbers and the schedule, the precision, the attention kernel, the behaviour
+switches), and why each of those has its value. train.py and everything below it read this
+tree; resolved_config.json keeps it beside the tree asked for (`resolved`, `why`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from training.settings import ds_config
+from training.settings.run_config import RunConfig
+
+
+def concrete(asked: RunConfig, found) -> tuple[RunConfig, dict[str, str]]:
+    """(the tree, {setting path: why}) for `found`, a preflight.Prepared."""
+    cfg, o, sch, sw = found.ds_config, found.optimizer, found.schedule, found.switches
+    from_config = "not given: the DeepSpeed config's, else the default (settings/hparams.py)"
+    why = {f"optim.{name}": from_config for name in _not_given(asked.optim)}
+    optim = replace(
+        asked.optim,
+        micro_batch=cfg["train_micro_batch_size_per_gpu"],
+        grad_accum=cfg["gradient_accumulation_steps"],
+        global_batch=cfg["train_batch_size"],
+        grad_clip=float(cfg.get("gradient_clipping") or 0.0),
+        lr=o.lr,
+        beta1=o.betas[0],
+        beta2=o.betas[1],
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        warmup=sch.warmup,
+        min_lr_ratio=sch.min_lr_ratio,
+    )
+    model = replace(
+        asked.model,
+        attention=found.attention,
+        compile=sw.compile,
+        activation_checkpointing=found.activation_checkpointing,
+    )
+    pipe = cfg.get("pipeline", {})
+    engine = replace(
+        asked.engine,
+        ds_config=found.config_path,
+        precision=found.precision,
+        pipeline_stages=ds_config.pipeline_stages(cfg),
+        pipeline_partition=pipe.get("partition", "parameters") if pipe else None,
+    )
+    host = replace(
+        asked.host,
+        hold_weights="on" if sw.hold_weights else "off",
+        zero3_whole_blocks="on" if sw.zero3_whole_blocks else "off",
+    )
+    choice = found.precision_choice
+    why["engine.precision"] = choice.why if choice else "planned; measured once the ranks are up"
+    why["model.attention"] = f"--attention {asked.model.attention} on {found.host.device_type}"
+    why["model.activation_checkpointing"] = (
+        "--activation-checkpointing or the config's activation_checkpointing section"
+    )
+    for switch, path in SWITCH_PATHS.items():
+        why[path] = sw.why.get(switch, "")
+    tree = replace(asked, optim=optim, model=model, engine=engine, host=host)
+    return tree, why
+
+
+# Each behaviour switch (preflight/switches.py) and the setting it resolves.
+SWITCH_PATHS = {
+    "compile": "model.compile",
+    "hold_weights": "host.hold_weights",
+    "zero3_whole_blocks": "host.zero3_whole_blocks",
+    "grad_sum": "host.grad_sum",
+    "shm_collectives": "host.shm_collectives",
+    "keep_freed_memory": "host.cpu_malloc",
+}
+
+
+def _not_given(section) -> list[str]:
+    return [name for name, value in vars(section).items() if value is None]
