@@ -196,14 +196,14 @@ def parse_row(spec: str) -> dict:
 def planned(row: dict, vocab: int, world: int, nvme_dir: Path) -> dict:
     from models import get_config
     from training.memory.capacity import capacity
-    from training.memory.fit import resolve_config
+    from training.memory.fit import resolve_file
     from training.memory.shape import shape_of_config
     from training.memory.verdict import check_run, in_memory, plan_name
 
     shape = shape_of_config(get_config(row["preset"], vocab_size=vocab), row["preset"])
     path = REPO / "ds_configs" / f"{row['config']}.json"
     host = capacity(host_mem_gib=None).host_bytes  # the trainer's hold decision
-    cfg = resolve_config(path, shape, world, 1, "cpu", world, host)
+    cfg = resolve_file(path, shape, world, 1, "cpu", world, host)
     for s in ("offload_optimizer", "offload_param"):  # the swap folder the run will use
         sec = cfg.get("zero_optimization", {}).get(s, {})
         if sec.get("device") == "nvme":

@@ -55,13 +55,13 @@ def test_a_run_the_plan_rejects_is_refused_naming_a_config_that_fits(
 def host_too_small_for_zero2() -> float:
     """A host size (GiB) at which the plan refuses 125M under ZeRO-2 but fits another config."""
     from models import get_config
-    from training.memory.fit import resolve_config
+    from training.memory.fit import resolve_file
     from training.memory.shape import shape_of_config
     from training.memory.verdict import check_run
     from training.settings.ds_config import CONFIG_DIR
 
     shape = shape_of_config(get_config("125M", vocab_size=512), "125M")
-    cfg = resolve_config(CONFIG_DIR / "zero2.json", shape, 2, 1, "cpu")
+    cfg = resolve_file(CONFIG_DIR / "zero2.json", shape, 2, 1, "cpu")
     for tenths in range(10, 100):
         v = check_run(
             shape,
@@ -82,13 +82,13 @@ def test_async_save_staging_that_does_not_fit_is_refused_naming_the_fallback(tin
     "staging"): on a host where the run fits without it and not with it, the refusal says so
     and names the synchronous save; without --async-save the same run passes."""
     from models import get_config
-    from training.memory.fit import resolve_config
+    from training.memory.fit import resolve_file
     from training.memory.shape import shape_of_config
     from training.memory.verdict import check_run
     from training.settings.ds_config import CONFIG_DIR
 
     shape = shape_of_config(get_config("125M", vocab_size=512), "125M")
-    cfg = resolve_config(CONFIG_DIR / "zero2.json", shape, 2, 1, "cpu")
+    cfg = resolve_file(CONFIG_DIR / "zero2.json", shape, 2, 1, "cpu")
     kw = dict(config_name="zero2", seq_len=512, activation_checkpointing=False)
     host = next(
         t / 10

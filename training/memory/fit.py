@@ -28,7 +28,7 @@ CANDIDATES = [
 ]
 
 
-def resolve_config(
+def resolve_file(
     path: str | Path,
     shape: ModelShape,
     world: int,
@@ -37,7 +37,7 @@ def resolve_config(
     ranks_per_host: int | None = None,
     host_bytes: int | None = None,
 ):
-    """A ds_config file resolved as the trainer would on `device_type` (its flag defaults, this
+    """A ds_config file resolved as the trainer resolves it (ds_config.resolve_held) on `device_type` (its flag defaults, this
     world size, ZeRO-3's hold as --hold-weights auto decides it on a host of `host_bytes`): bad
     files and combinations raise ConfigError."""
     raw = ds_config.load_json(path)
@@ -48,15 +48,12 @@ def resolve_config(
         hidden_size=shape.hidden,
         source=str(path),
     )
-    cfg = ds_config.resolve(raw, device_type=device_type, params=shape.params, **kw)
-    held, _ = zero3_holds_whole(
-        cfg, shape.params, world, ranks_per_host or world, host_bytes or 0, device_type
-    )
-    if not held:
-        return cfg
-    return ds_config.resolve(
-        raw, device_type=device_type, params=shape.params, hold_weights=True, **kw
-    )
+    where = (world, ranks_per_host or world, host_bytes or 0, device_type)
+
+    def holds(cfg: dict) -> bool:  # --hold-weights auto's rule
+        return zero3_holds_whole(cfg, shape.params, *where)[0]
+
+    return ds_config.resolve_held(raw, holds, device_type=device_type, params=shape.params, **kw)
 
 
 def zero3_holds_whole(
@@ -109,7 +106,7 @@ def fitting_plans(shape: ModelShape, world: int, cap: Capacity, micro_batch: int
         if not path.is_file():
             continue
         rph = kw.get("ranks_per_host")
-        cfg = resolve_config(path, shape, world, micro_batch, cap.device_type, rph, cap.host_bytes)
+        cfg = resolve_file(path, shape, world, micro_batch, cap.device_type, rph, cap.host_bytes)
         p = plan(
             shape, cfg, world, config_name=f"ds_configs/{name}", activation_checkpointing=ckpt, **kw
         )

@@ -22,7 +22,7 @@ from data import DataError, load_data
 from models import ModelError, lora
 from training.errors import ConfigError
 from training.memory.capacity import Capacity, capacity, fits
-from training.memory.fit import cheapest_fit, resolve_config, smallest_world
+from training.memory.fit import cheapest_fit, resolve_file, smallest_world
 from training.memory.plan import CATEGORIES, LOCATIONS, Plan, fmt_bytes, plan
 from training.memory.shape import model_shape
 from training.settings.ds_config import CONFIG_DIR
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             shape = model_shape(a.model, vocab, a.lora and lora.parse_lora(a.lora))
             cap = capacity(a.device, a.device_mem, a.host_mem, a.nvme_path)
             rph = a.ranks_per_host or a.world
-            cfg = resolve_config(
+            cfg = resolve_file(
                 a.ds_config, shape, a.world, a.micro_batch, cap.device_type, rph, cap.host_bytes
             )
         except (ConfigError, ModelError, DataError, ValueError) as e:

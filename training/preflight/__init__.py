@@ -143,7 +143,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
         log(f"warning: {line}")
     want = precisions.asked(config.engine.precision, raw, cfg_path)
     precision = precisions.PLANNED if want == "auto" else want  # chosen at the end
-    cfg, switches = resolve_config(
+    cfg, switches = resolve_with_switches(
         config, precisions.apply(raw, precision), cfg_path, host, shape, model_cfg
     )
     if config.engine.backend == "deepspeed" and nvme.nvme_sections(cfg):
@@ -268,7 +268,7 @@ def repick(config: RunConfig, prepared: Prepared, choice: Precision) -> Prepared
     if choice.name == prepared.precision:
         return replace(prepared, precision_choice=choice)
     raw, path, host = prepared.raw_config, prepared.config_path, prepared.host
-    cfg, switches = resolve_config(
+    cfg, switches = resolve_with_switches(
         config,
         precisions.apply(raw, choice.name),
         path,
@@ -285,7 +285,7 @@ def repick(config: RunConfig, prepared: Prepared, choice: Precision) -> Prepared
     )
 
 
-def resolve_config(
+def resolve_with_switches(
     config: RunConfig, raw: dict, cfg_path: str, host, shape, model_cfg
 ) -> tuple[dict, Switches]:
     """The DeepSpeed config with every "auto" resolved, and the switches decided on it. ZeRO-3's
@@ -302,13 +302,17 @@ def resolve_config(
         device_type=host.device_type,
         params=shape.params,
     )
-    cfg = ds_config.resolve(raw, **kw)
     ours = getattr(model_cfg, "model_type", "?") in ("zerostack", "llama")
-    precision = ds_config.precision(cfg)
-    switches = resolve_switches(config, cfg, host, shape.params, ours=ours, precision=precision)
-    if switches.hold_weights and ds_config.zero_stage(cfg) == 3:
-        cfg = ds_config.resolve(raw, hold_weights=True, **kw)
-    return cfg, switches
+    decided: list[Switches] = []
+
+    def holds(cfg: dict) -> bool:  # the switches, decided on the config as first resolved
+        precision = ds_config.precision(cfg)
+        decided.append(
+            resolve_switches(config, cfg, host, shape.params, ours=ours, precision=precision)
+        )
+        return decided[0].hold_weights
+
+    return ds_config.resolve_held(raw, holds, **kw), decided[0]
 
 
 def rank0_printer(rank: int):

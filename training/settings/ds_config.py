@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,16 @@ def resolve(
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
         _set(cfg, path, autos[path])
     hparams.resolve_schedule(cfg, optim, optimizer["lr"], source)
+    return cfg
+
+
+def resolve_held(raw: dict, holds: Callable[[dict], bool], **kw) -> dict:
+    """The one resolution the trainer and the memory plan share: `resolve(raw, **kw)`, and, when
+    `holds` (asked of every resolved config) says ZeRO-3 keeps the weights gathered, once more
+    with its "auto" persistence threshold covering the model."""
+    cfg = resolve(raw, **kw)
+    if holds(cfg) and zero_stage(cfg) == 3:
+        return resolve(raw, hold_weights=True, **kw)
     return cfg
 
 
