@@ -84,8 +84,8 @@ def test_flags_win_over_auto_and_impossible_ones_are_refused():
         "off",
         "--shm-collectives",
         "off",
-        "--cpu-malloc",
-        "default",
+        "--keep-freed-memory",
+        "off",
     )
     assert not (off.compile or off.hold_weights or off.zero3_whole_blocks)
     assert not (off.shm_collectives or off.keep_freed_memory)

@@ -323,7 +323,7 @@ def test_cpu_ranks_keep_freed_memory(mode):
         "x = torch.empty(CPU_BUCKET_BYTES, dtype=torch.uint8)\n"
         "print(applied, mallinfo2().hblkhd - before)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}  # --cpu-malloc default: never called
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # --keep-freed-memory off: never called
     out = subprocess.run([PY, "-c", script], capture_output=True, text=True, env=env, check=True)
     applied, mmapped = out.stdout.split()
     if mode == "keep":

@@ -33,7 +33,7 @@ def _libc():
 @contextlib.contextmanager
 def freed_blocks_returned(threshold: int = 2**20, kept: bool = True):
     """Inside: every allocation of `threshold` bytes or more is its own mapping, unmapped when
-    freed; after: the training steps' setting again (`kept`: the trainer's --cpu-malloc tuned,
+    freed; after: the training steps' setting again (`kept`: the trainer's --keep-freed-memory,
     else glibc's default), and the heap's free top given back. A no-op off glibc."""
     libc = _libc()
     if libc is None or libc.mallopt(M_MMAP_THRESHOLD, threshold) != 1:

@@ -69,7 +69,7 @@ SWITCH_PATHS = {
     "zero3_whole_blocks": "host.zero3_whole_blocks",
     "grad_sum": "host.grad_sum",
     "shm_collectives": "host.shm_collectives",
-    "keep_freed_memory": "host.cpu_malloc",
+    "keep_freed_memory": "host.keep_freed_memory",
 }
 
 

@@ -242,8 +242,8 @@ def _shm_collectives(config, cfg, host, params, ours, precision) -> tuple[bool, 
 def _keep_freed_memory(config, cfg, host, params, ours, precision) -> tuple[bool, str]:
     """glibc keeps freed blocks up to 32 MiB on the heap and never trims it, so a step does not
     page-fault its working set in again (runtime/distributed.py: keep_freed_memory)."""
-    if config.host.cpu_malloc == "default":
-        return False, "--cpu-malloc default"
-    if host.device_type != "cpu":
-        return False, f"auto: {host.device_type}, not a CPU"
-    return True, "--cpu-malloc tuned (a CPU)"
+    if config.host.keep_freed_memory == "off":
+        return False, "--keep-freed-memory off"
+    return auto_unless(
+        [(host.device_type != "cpu", f"{host.device_type}, not a CPU")], "a CPU (glibc's heap)"
+    )

@@ -52,7 +52,7 @@ def setup(
     A plain `python train.py` with no launcher env runs as a world of one. The backend is the
     accelerator's (gloo on CPU, NCCL on CUDA); `timeout_s` bounds every collective so a dead
     rank makes the others fail instead of hanging forever; `keep_freed` (a CPU: the trainer's
-    --cpu-malloc tuned) keeps freed blocks on the heap between steps; `ranks_here` (the ranks
+    --keep-freed-memory) keeps freed blocks on the heap between steps; `ranks_here` (the ranks
     of the world on this host, preflight/hosts.py; None: all of them) share the host's cores."""
     env = os.environ
     if "RANK" not in env:  # single process, no launcher
@@ -73,7 +73,7 @@ def setup(
         # Share the cores between the ranks on this host instead of oversubscribing them.
         if "OMP_NUM_THREADS" not in env or local_world > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        if keep_freed:  # the trainer's --cpu-malloc tuned
+        if keep_freed:  # the trainer's --keep-freed-memory
             keep_freed_memory()
     else:
         acc.set_device(local_rank)
@@ -94,7 +94,7 @@ def keep_freed_memory() -> bool:
     mmap threshold with fresh mmaps, and trims the heap back to the OS: every step then
     page-faults its working set in again. Keeping blocks up to 32 MiB on the heap and never
     trimming avoids that (docs/benchmarks.md; the peak RSS is what the process reaches anyway).
-    No-op off glibc; the trainer's --cpu-malloc default leaves glibc as it is."""
+    No-op off glibc; the trainer's --keep-freed-memory off leaves glibc as it is."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None

@@ -461,10 +461,10 @@ class HostConfig:
         "DeepSpeed's and FSDP2's collectives through DeepSpeed's shared-memory kernel instead of "
         "gloo. auto: every rank on one CPU host, when the kernel loads",
     )
-    cpu_malloc: Literal["tuned", "default"] = setting(
-        "tuned",
-        "tuned: glibc keeps freed blocks up to 32 MiB on its heap between steps (CPU); "
-        "default: glibc's own settings",
+    keep_freed_memory: Literal["auto", "off"] = setting(
+        "auto",
+        "glibc keeps freed blocks up to 32 MiB on its heap between steps, so a step does not "
+        "page-fault its working set in again. auto: on a CPU; off: glibc's own settings",
     )
 
 
