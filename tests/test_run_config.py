@@ -305,3 +305,10 @@ def test_a_run_replayed_from_its_record_logs_the_same_losses(tiny_data, tmp_path
     saved = json.loads(record.read_text())
     assert saved["resolved"]["optim"]["lr"] == 3e-3 and saved["resolved"]["optim"]["eps"] == 1e-8
     assert saved["config"]["optim"]["eps"] is None and saved["why"]["optim.eps"]
+
+
+def test_every_switch_resolves_a_setting_of_the_tree():
+    from training.preflight.switches import Switches
+
+    paths = {s.path for s in settings()}
+    assert set(Switches.settings().values()) <= paths, Switches.settings()

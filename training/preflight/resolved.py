@@ -56,21 +56,10 @@ def concrete(asked: RunConfig, found) -> tuple[RunConfig, dict[str, str]]:
     why["model.activation_checkpointing"] = (
         "--activation-checkpointing or the config's activation_checkpointing section"
     )
-    for switch, path in SWITCH_PATHS.items():
+    for switch, path in sw.settings().items():
         why[path] = sw.why.get(switch, "")
     tree = replace(asked, optim=optim, model=model, engine=engine, host=host)
     return tree, why
-
-
-# Each behaviour switch (preflight/switches.py) and the setting it resolves.
-SWITCH_PATHS = {
-    "compile": "model.compile",
-    "hold_weights": "host.hold_weights",
-    "zero3_whole_blocks": "host.zero3_whole_blocks",
-    "grad_sum": "host.grad_sum",
-    "shm_collectives": "host.shm_collectives",
-    "keep_freed_memory": "host.keep_freed_memory",
-}
 
 
 def _not_given(section) -> list[str]:

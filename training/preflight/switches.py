@@ -11,7 +11,7 @@ the same machine."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import psutil
 
@@ -32,22 +32,35 @@ GiB = 2**30
 COMPILE_PAYS_AFTER = 100  # steps
 
 
+def switch(setting: str):
+    """A switch, off until resolved; `setting` is the run's setting it makes concrete. Its
+    resolver is this module's function `_NAME`."""
+    return field(default=False, metadata={"setting": setting})
+
+
 @dataclass(frozen=True)
 class Switches:
     """Every switch's value, and why it has it."""
 
-    compile: bool = False  # torch.compile each block (models/compile.py)
-    hold_weights: bool = False  # ZeRO-3 / FSDP2 keep weights gathered across micro-steps
-    zero3_whole_blocks: bool = False  # ZeRO-3 gathers each transformer block as one unit
-    grad_sum: bool = False  # ZeRO-1/2 sum gradients over a loss divided by the world
-    shm_collectives: bool = False  # collectives through DeepSpeed's shared-memory kernel
-    keep_freed_memory: bool = False  # glibc keeps freed blocks on the heap between steps
+    compile: bool = switch("model.compile")  # torch.compile each block (models/compile.py)
+    # ZeRO-3 / FSDP2 keep weights gathered across micro-steps
+    hold_weights: bool = switch("host.hold_weights")
+    # ZeRO-3 gathers each transformer block as one unit
+    zero3_whole_blocks: bool = switch("host.zero3_whole_blocks")
+    grad_sum: bool = switch("host.grad_sum")  # ZeRO-1/2 sum over a loss divided by the world
+    # collectives through DeepSpeed's shared-memory kernel
+    shm_collectives: bool = switch("host.shm_collectives")
+    # glibc keeps freed blocks on the heap between steps
+    keep_freed_memory: bool = switch("host.keep_freed_memory")
     why: dict = field(default_factory=dict)  # {switch: one line}
 
+    @staticmethod
+    def settings() -> dict[str, str]:
+        """{switch: the setting it makes concrete}, in declaration order."""
+        return {f.name: f.metadata["setting"] for f in fields(Switches) if f.name != "why"}
+
     def as_record(self) -> dict:
-        names = ("compile", "hold_weights", "zero3_whole_blocks", "grad_sum", "shm_collectives")
-        names += ("keep_freed_memory",)
-        return {n: {"on": getattr(self, n), "why": self.why.get(n, "")} for n in names}
+        return {n: {"on": getattr(self, n), "why": self.why.get(n, "")} for n in self.settings()}
 
 
 @dataclass(frozen=True)
@@ -82,14 +95,8 @@ def resolve_switches(
     has each measurement): `cfg` is the resolved DeepSpeed config, `params` the model's count."""
     why: dict[str, str] = {}
     values = {}
-    for name, resolve in (
-        ("compile", _compile),
-        ("hold_weights", _hold_weights),
-        ("zero3_whole_blocks", _zero3_whole_blocks),
-        ("grad_sum", _grad_sum),
-        ("shm_collectives", _shm_collectives),
-        ("keep_freed_memory", _keep_freed_memory),
-    ):
+    for name in Switches.settings():
+        resolve = globals()[f"_{name}"]
         values[name], why[name] = resolve(config, cfg, host, params, ours, precision)
     return Switches(**values, why=why)
 
