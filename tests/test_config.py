@@ -153,3 +153,45 @@ def test_auto_reduce_bucket_stays_under_the_mmap_threshold_on_cpu(name, device, 
     raw["zero_optimization"]["reduce_bucket_size"] = 123_456_789  # a given value is kept
     out = C.resolve(raw, world=2, **sections(**flags), hidden_size=384, device_type=device)
     assert out["zero_optimization"]["reduce_bucket_size"] == 123_456_789
+
+
+def _shipped():
+    return sorted((C.Path(__file__).parent.parent / "ds_configs").glob("*.json"))
+
+
+def _device_autos_as(raw: dict, value) -> dict:
+    """`raw` with every device-decided "auto" replaced by `value`."""
+    raw = json.loads(json.dumps(raw))
+    for path in C.DEVICE_AUTOS:
+        *parents, last = path.split(".")
+        d = raw
+        for p in parents:
+            d = d.get(p, {})
+        if d.get(last) == "auto":
+            d[last] = value
+    return raw
+
+
+def test_a_cpu_resolves_the_device_autos_as_the_configs_said_before():
+    """On a CPU the shipped configs resolve to what they resolved to when they said
+    overlap_comm and pin_memory false outright: the CPU's measured choices are unchanged."""
+    asked = [p for p in _shipped() if "auto" in json.dumps(C.load_json(p))]
+    device_autos = 0
+    for path in asked:
+        raw = C.load_json(path)
+        device_autos += raw != _device_autos_as(raw, "x")
+        kw = dict(world=2, hidden_size=64, device_type="cpu", **sections(micro_batch=2))
+        assert C.resolve(raw, **kw) == C.resolve(_device_autos_as(raw, False), **kw), path
+    assert device_autos >= 7  # every ZeRO config and both offload sections say auto
+
+
+def test_a_gpu_overlaps_the_reduction_and_pins_offload_buffers():
+    raw = C.load_json(C.Path(__file__).parent.parent / "ds_configs" / "zero3_offload.json")
+    kw = dict(world=2, hidden_size=64, **sections(micro_batch=2))
+    gpu = C.resolve(raw, device_type="cuda", **kw)["zero_optimization"]
+    cpu = C.resolve(raw, device_type="cpu", **kw)["zero_optimization"]
+    assert gpu["overlap_comm"] and gpu["offload_optimizer"]["pin_memory"]
+    assert gpu["offload_param"]["pin_memory"]
+    assert not (cpu["overlap_comm"] or cpu["offload_optimizer"]["pin_memory"])
+    raw["zero_optimization"]["overlap_comm"] = False  # a value given always wins
+    assert not C.resolve(raw, device_type="cuda", **kw)["zero_optimization"]["overlap_comm"]

@@ -286,6 +286,8 @@ def test_preflight_makes_every_auto_and_not_given_concrete(tiny_data, tmp_path):
     assert r.host.hold_weights == "off" and r.host.zero3_whole_blocks == "off"  # ZeRO-2
     assert {"optim.eps", "engine.precision", "model.compile", "host.grad_sum"} <= set(prepared.why)
     assert prepared.why["model.compile"] == "--no-compile"
+    overlap = prepared.why["ds_config.zero_optimization.overlap_comm"]
+    assert overlap.startswith("auto: off on cpu"), overlap
 
 
 # ------------------------------------------------------------------------------------- replay

@@ -58,6 +58,11 @@ def concrete(asked: RunConfig, found) -> tuple[RunConfig, dict[str, str]]:
     )
     for switch, path in sw.settings().items():
         why[path] = sw.why.get(switch, "")
+    device = found.host.device_type
+    asked_auto = {path for path, _ in ds_config.auto_paths(found.raw_config or {})}
+    for key in sorted(asked_auto & set(ds_config.DEVICE_AUTOS)):
+        on = "on" if device != "cpu" else "off"
+        why[f"ds_config.{key}"] = f"auto: {on} on {device} (settings/ds_config.py: DEVICE_AUTOS)"
     tree = replace(asked, optim=optim, model=model, engine=engine, host=host)
     return tree, why
 

@@ -90,6 +90,16 @@ DEFAULT_MICRO_BATCH = 4
 DEFAULT_GRAD_CLIP = 1.0  # gradient_clipping "auto"
 DEFAULT_NVME_BUFFER = 10**8  # offload_param.buffer_size "auto" without a model (DeepSpeed's)
 
+# What the device decides where a config says "auto": on for GPUs (DeepSpeed's and the HF
+# Trainer's recommended GPU settings: the gradient reduction overlapped with backward, page-locked
+# host buffers for offload), off on a CPU, where there is no copy engine to overlap with or
+# pin for (the values measured and shipped for CPUs).
+DEVICE_AUTOS = (
+    "zero_optimization.overlap_comm",
+    "zero_optimization.offload_optimizer.pin_memory",
+    "zero_optimization.offload_param.pin_memory",
+)
+
 # Every "auto" the trainer knows how to fill (resolve below; the scheduler's in hparams.py).
 AUTO_KEYS = {
     "train_batch_size",
@@ -113,6 +123,7 @@ AUTO_KEYS = {
     "zero_optimization.offload_optimizer.nvme_path",
     "zero_optimization.offload_param.nvme_path",
     "zero_optimization.offload_param.buffer_size",
+    *DEVICE_AUTOS,
 }
 
 
@@ -208,6 +219,7 @@ def resolve(
             hidden_size, params, hold_weights and zero_stage(cfg) == 3
         ),
         "zero_optimization.allgather_bucket_size": max(hidden_size * hidden_size, 50_000_000),
+        **dict.fromkeys(DEVICE_AUTOS, device_type != "cpu"),
         "bf16.enabled": True,
         "fp16.enabled": False,
         # ZeRO-Infinity: the swap folder (--nvme-path, default RUN/nvme_swap) and a parameter
@@ -216,7 +228,7 @@ def resolve(
         "zero_optimization.offload_param.nvme_path": swap_path,
         "zero_optimization.offload_param.buffer_size": swap_buffer,
     }
-    for path, _value in _auto_paths(cfg):
+    for path, _value in auto_paths(cfg):
         if path not in autos or autos[path] is None or autos[path] == [None, None]:
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
         _set(cfg, path, autos[path])
@@ -266,7 +278,7 @@ def precheck(
     sections.check_applied(
         cfg, backend=backend, steps=optim.steps, device_type=device_type, source=source
     )
-    for path, _value in _auto_paths(cfg):
+    for path, _value in auto_paths(cfg):
         if path not in AUTO_KEYS:
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
     hparams.resolve_optimizer(copy.deepcopy(cfg), optim, backend, source)
@@ -434,10 +446,10 @@ def _check_combinations(cfg: dict, source: str) -> None:
             )
 
 
-def _auto_paths(obj: Any, prefix: str = ""):
+def auto_paths(obj: Any, prefix: str = ""):
     if isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _auto_paths(v, f"{prefix}.{k}" if prefix else k)
+            yield from auto_paths(v, f"{prefix}.{k}" if prefix else k)
     elif isinstance(obj, list):
         if any(x == "auto" for x in obj):
             yield prefix, obj

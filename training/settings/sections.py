@@ -211,12 +211,23 @@ def validate_with_deepspeed(cfg: dict, source: str) -> None:
             continue
         if not isinstance(cfg[key], dict):
             raise ConfigError(f"{source}: {key} must be an object")
-        given = {k: v for k, v in cfg[key].items() if not _has_auto(v)}
+        given = _without_autos(cfg[key])
         try:
             parsed = model(**given)
         except Exception as e:  # pydantic's ValidationError, or a DeepSpeed validator's own
             raise ConfigError(f"{source}: {_first_error(e, key, model)}") from None
         _refuse_coercion(given, parsed, key, source)
+
+
+def _without_autos(section: dict) -> dict:
+    """`section` without its "auto" values (nested sections kept, their autos dropped)."""
+    out = {}
+    for k, v in section.items():
+        if isinstance(v, dict):
+            out[k] = _without_autos(v)
+        elif not _has_auto(v):
+            out[k] = v
+    return out
 
 
 def _has_auto(v) -> bool:
