@@ -314,3 +314,19 @@ def test_every_switch_resolves_a_setting_of_the_tree():
 
     paths = {s.path for s in settings()}
     assert set(Switches.settings().values()) <= paths, Switches.settings()
+
+
+@pytest.mark.slow
+def test_ranks_that_resolve_an_auto_differently_are_refused(tiny_data, tmp_path):
+    """A rank deciding its precision otherwise (a GPU of another generation) is named in one
+    line, on every rank alike, before any model is built: the run does not hang."""
+    out = tmp_path / "run"
+    p = launch(
+        ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "2"],
+        script="tests/scripts/disagree_train.py",
+        check=False,
+    )
+    assert p.returncode != 0 and "(exitcode: 2)" in p.stderr  # bad input, on every rank
+    line = next(x for x in p.stderr.splitlines() if "ranks 1 resolved" in x)
+    assert "--precision to 'fp16', rank 0 to " in line or "--precision to 'bf16'" in line, line
+    assert not (out / "checkpoints").exists()

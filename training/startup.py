@@ -18,7 +18,7 @@ from training.runtime import cluster, distributed, runlock
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, model_shapes, probe_ranks
 from training.runtime.shm import shared_memory_collectives
-from training.settings.run_config import RunConfig
+from training.settings.run_config import RunConfig, flat
 
 
 @dataclass
@@ -46,6 +46,7 @@ def start(config: RunConfig, prepared: Prepared, run_dir: Path) -> Started:
         ranks_here=here,
     )
     prepared, probed = settle(config, prepared, dist)
+    agree(prepared)
     hold_run_folder(run_dir, dist)
     if dist.is_main:  # a save cut short (a kill during an --async-save write): never resumed
         layout.set_aside_unsealed(run_dir / "checkpoints", rank0_printer(dist.rank))
@@ -81,6 +82,36 @@ def settle(config: RunConfig, prepared: Prepared, dist: DistInfo) -> tuple[Prepa
     if prepared.precision_choice.warning:
         rank0_printer(dist.rank)(prepared.precision_choice.warning)
     return prepared, probed
+
+
+def agree(prepared: Prepared) -> None:
+    """Every rank resolved the same run: the configuration as it runs (every auto) and the
+    DeepSpeed config, compared across ranks once the group is up. Ranks that decided an auto
+    differently (GPUs of two generations, hosts of different memory) would hang in their first
+    collective instead; the run is refused, on every rank alike, naming the ranks and setting."""
+    settings = {f"--{k.replace('_', '-')}": v for k, v in flat(prepared.config).items()}
+    settings.pop("--local-rank")  # the launcher's, one per rank
+    mine = {**settings, **dict(_dotted(prepared.ds_config, "ds_config "))}
+    every = distributed.all_gather_object(mine)
+    odd = [r for r, theirs in enumerate(every) if theirs != every[0]]
+    if not odd:
+        return
+    first = every[odd[0]]
+    key = next(k for k in sorted(set(every[0]) | set(first)) if every[0].get(k) != first.get(k))
+    raise ConfigError(
+        f"ranks {', '.join(map(str, odd))} resolved {key} to {first.get(key)!r}, rank 0 to "
+        f"{every[0].get(key)!r}: every rank must run the same configuration; give it "
+        "explicitly (for example --precision) or launch on machines that decide it alike"
+    )
+
+
+def _dotted(tree: dict, prefix: str):
+    """(dotted key, leaf value) of a nested dict."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _dotted(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
 
 
 def hold_run_folder(run_dir: Path, dist: DistInfo) -> None:
