@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: set up .venv, prepare the built-in corpus (the Python
-# standard library's source, found on this machine), train the `small` preset with DeepSpeed
-# ZeRO-2 on 2 ranks (bf16 where this CPU runs it at least as fast as fp32, else fp32: the
-# config's precision is "auto"), evaluate, export to a Hugging Face folder, and sample from it
-# with stock transformers. Re-running resumes / reuses what is already done.
+# standard library's source, found on the machine), train the `small` preset with DeepSpeed
+# ZeRO-2 (examples/quickstart.yaml) on every GPU the machine has, else on 2 CPU ranks (bf16
+# where the device runs it fast, else fp32 on a CPU: the config's precision is "auto"),
+# validating as it goes, export to a Hugging Face folder, and sample from it with stock
+# transformers. Re-running resumes / reuses what is already done.
 #   STEPS=400 RANKS=2 MICRO_BATCH=8 ./quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -12,7 +13,11 @@ PY=.venv/bin/python
 DATA=${DATA:-data_cache/pystdlib}
 RUN=${RUN:-runs/quickstart}
 STEPS=${STEPS:-200}
-RANKS=${RANKS:-2}
+# One rank per GPU where the machine has GPUs, else 2 CPU ranks (RANKS=N says otherwise).
+if [ -z "${RANKS:-}" ]; then
+  GPUS=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  RANKS=$(( GPUS > 0 ? GPUS : 2 ))
+fi
 
 echo "== 1/4 prepare the built-in corpus -> $DATA"
 $PY -m data.prepare --source pystdlib --out "$DATA" --vocab-size 8192 --num-proc 2
