@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -230,23 +231,25 @@ def run_command(cmd: Command, timeout: float, log) -> str:
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # its own process group: a timeout ends torchrun's ranks too, freeing the GPU for the next row
+    p = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        p = subprocess.run(
-            argv,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=max(1.0, timeout),
-            start_new_session=True,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        out, _ = p.communicate(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
         log.write(out)
         return f"timed out after {timeout:.0f} s"
-    log.write(p.stdout)
-    return "" if p.returncode == 0 else failure_line(p.stdout, p.returncode)
+    log.write(out)
+    return "" if p.returncode == 0 else failure_line(out, p.returncode)
 
 
 def failure_line(output: str, code: int) -> str:
@@ -279,7 +282,7 @@ def run_row(row: Row, a, deadline: float, done: dict) -> dict:
                 break
     try:
         if not reason and row.check:
-            detail = CHECKS[row.check](row)
+            detail = CHECKS[row.check](row, deadline - time.monotonic())
             reason = detail.pop("failed", "")
         if row.figures and Path(row.figures, "metrics.jsonl").is_file():
             detail |= run_figures(Path(row.figures))
@@ -319,14 +322,14 @@ def run_figures(run_dir: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ the checks
-def check_logits(row: Row) -> dict:
+def check_logits(row: Row, left: float) -> dict:
     """The export read by stock transformers and by our model on the device, compared."""
     p = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_logits", row.paths["hf"]],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=max(10.0, left),
     )
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
     if not lines:
@@ -339,7 +342,7 @@ def check_logits(row: Row) -> dict:
     return {"logits": got}
 
 
-def check_async(row: Row) -> dict:
+def check_async(row: Row, left: float) -> dict:
     """The background-save run, resumed, against the synchronous one: the loss of every step
     (bitwise, else within a relative 1e-3: a GPU kernel may sum in another order) and the files
     of the checkpoint both saved before the resume."""
