@@ -1,4 +1,4 @@
-"""The GPU check (benchmarks/gpu_check.py) as far as a CPU can take it: its plan parses with the
+"""The GPU check (benchmarks/gpu_check.py, gpu_plan.py) as far as a CPU can take it: its plan parses with the
 trainer's own parser and fits its deadline, a failing row stops no other, the table renders, one
 row runs end to end at tiny size, and the carried wheels cover every import the GPU image lacks."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_check, gpu_report, gpu_wheels
+from benchmarks import gpu_check, gpu_plan, gpu_report, gpu_wheels
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,10 +21,10 @@ def test_the_plan_has_every_row_and_every_trainer_argv_parses(tmp_path, monkeypa
     from training.settings import flags
 
     monkeypatch.chdir(REPO)  # the quickstart row names examples/quickstart.yaml from the root
-    rows = gpu_check.plan(gpu_check.parse(["--out", str(tmp_path), "--work", str(tmp_path)]))
+    rows = gpu_plan.plan(gpu_check.parse(["--out", str(tmp_path), "--work", str(tmp_path)]))
     names = [r.name for r in rows]
     assert names[0] == "prepare"
-    assert set(gpu_check.ENGINES) | {
+    assert set(gpu_plan.ENGINES) | {
         "quickstart",
         "export",
         "lora",
@@ -46,34 +46,34 @@ def test_the_plan_has_every_row_and_every_trainer_argv_parses(tmp_path, monkeypa
 
 def test_the_rows_fit_the_deadline_and_the_tool_limit():
     a = gpu_check.parse([])
-    assert a.budget == gpu_check.DEADLINE_S <= 480  # 8 minutes of a 10-minute command
-    rows = gpu_check.plan(a)
+    assert a.budget == gpu_plan.DEADLINE_S <= 480  # 8 minutes of a 10-minute command
+    rows = gpu_plan.plan(a)
     assert all(0 < r.budget_s <= 150 for r in rows)
     # the rows that must run come first: the deadline cuts only from the end
     assert [r.name for r in rows][:4] == ["prepare", "quickstart", "export", "zero2"]
 
 
 def test_rows_filters_but_keeps_prepare():
-    rows = gpu_check.plan(gpu_check.parse(["--rows", "ddp,fsdp"]))
+    rows = gpu_plan.plan(gpu_check.parse(["--rows", "ddp,fsdp"]))
     assert [r.name for r in rows] == ["prepare", "ddp", "fsdp"]
 
 
 def test_a_failing_row_is_recorded_and_the_next_one_runs(tmp_path):
     a = gpu_check.parse(["--out", str(tmp_path)])
-    bad = gpu_check.Row(
-        "bad", "a module that is not there", 30, [gpu_check.Command("module", [], "no_such_mod")]
+    bad = gpu_plan.Row(
+        "bad", "a module that is not there", 30, [gpu_plan.Command("module", [], "no_such_mod")]
     )
-    slow = gpu_check.Row(
+    slow = gpu_plan.Row(
         "slow",
         "a sleep over its budget",
         1,
-        [gpu_check.Command("module", ["-s", "import time; time.sleep(30)"], "timeit")],
+        [gpu_plan.Command("module", ["-s", "import time; time.sleep(30)"], "timeit")],
     )
-    good = gpu_check.Row(
+    good = gpu_plan.Row(
         "good",
         "a module that runs",
         30,
-        [gpu_check.Command("module", ["-n", "1", "pass"], "timeit")],
+        [gpu_plan.Command("module", ["-n", "1", "pass"], "timeit")],
     )
     done: dict = {}
     got = []
@@ -84,7 +84,7 @@ def test_a_failing_row_is_recorded_and_the_next_one_runs(tmp_path):
     assert "No module named no_such_mod" in got[0]["reason"] and "\n" not in got[0]["reason"]
     assert got[1]["reason"] == "timed out after 1 s"
     assert (tmp_path / "logs" / "bad.log").is_file()
-    after = gpu_check.Row("after", "x", 30, [], after="bad")
+    after = gpu_plan.Row("after", "x", 30, [], after="bad")
     assert gpu_check.run_row(after, a, 1e18, done)["reason"].startswith("needs the bad row")
 
 
