@@ -86,9 +86,11 @@ def run_row(row: Row, a, deadline: float, done: dict) -> dict:
     reason, detail = "", {}
     with open(a.out / "logs" / f"{row.name}.log", "w") as log:
         for cmd in row.commands:
-            spent = time.monotonic() - t
-            left = min(row.budget_s * a.slack - spent, deadline - time.monotonic())
-            reason = run_command(cmd, left, log)
+            own = row.budget_s * a.slack - (time.monotonic() - t)
+            check_left = deadline - time.monotonic()
+            reason = run_command(cmd, min(own, check_left), log)
+            if reason.startswith("timed out") and check_left < own:
+                reason += " (the check's deadline)"
             if reason:
                 break
     try:
