@@ -27,11 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from benchmarks.gpu_plan import DEADLINE_S, REPO, Command, Row, plan
 
 WARMUP_STEPS = 3  # steps left out of tokens/s and MFU (allocation, kernel selection)
+MARKER = "ZEROSTACK_GPU_CHECK_ROW"
 
 
 # ------------------------------------------------------------------------------ running
@@ -41,8 +43,8 @@ def run_command(cmd: Command, timeout: float, log) -> str:
     argv = cmd.argv()
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # its own process group: a timeout ends torchrun's ranks too, freeing the GPU for the next row
+    marker = uuid.uuid4().hex  # finds the row's ranks: torchrun gives each a session of its own
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", MARKER: marker}
     p = subprocess.Popen(
         argv,
         cwd=REPO,
@@ -56,11 +58,24 @@ def run_command(cmd: Command, timeout: float, log) -> str:
         out, _ = p.communicate(timeout=max(1.0, timeout))
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
+        kill_marked(marker)  # a surviving rank would hold the GPU and the pipe open
+        out, _ = p.communicate(timeout=60)
         log.write(out)
         return f"timed out after {timeout:.0f} s"
     log.write(out)
     return "" if p.returncode == 0 else failure_line(out, p.returncode)
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process started with MARKER=marker in its environment."""
+    import psutil
+
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARKER) == marker:
+                proc.kill()
+        except psutil.Error:
+            continue
 
 
 def failure_line(output: str, code: int) -> str:
