@@ -43,7 +43,7 @@ def run_command(cmd: Command, timeout: float, log) -> str:
     argv = cmd.argv()
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
-    marker = uuid.uuid4().hex  # finds the row's ranks: torchrun gives each a session of its own
+    marker = uuid.uuid4().hex  # finds the row's ranks, which torchrun starts outside our group
     env = {**os.environ, "PYTHONUNBUFFERED": "1", MARKER: marker}
     p = subprocess.Popen(
         argv,
