@@ -1,0 +1,253 @@
+"""The GPU check (benchmarks/gpu_check.py, gpu_plan.py) as far as a CPU can take it: its plan parses with the
+trainer's own parser and fits its deadline, a failing row stops no other, the table renders, one
+row runs end to end at tiny size, and the carried wheels cover every import the GPU image lacks."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_check, gpu_plan, gpu_report, gpu_wheels
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_plan_has_every_row_and_every_trainer_argv_parses(tmp_path, monkeypatch):
+    from training.settings import flags
+
+    monkeypatch.chdir(REPO)  # the quickstart row names examples/quickstart.yaml from the root
+    rows = gpu_plan.plan(gpu_check.parse(["--out", str(tmp_path), "--work", str(tmp_path)]))
+    names = [r.name for r in rows]
+    assert names[0] == "prepare"
+    assert set(gpu_plan.ENGINES) | {
+        "quickstart",
+        "export",
+        "lora",
+        "async_save",
+        "evaluate",
+    } <= set(names)
+    trains = [c for r in rows for c in r.commands if c.kind == "train"]
+    assert len(trains) == 8 + 1 + 1 + 3  # the engines, quickstart, LoRA, the async row's three
+    for cmd in trains:
+        argv = cmd.argv()
+        assert argv[1:3] == ["-m", "torch.distributed.run"] and "training/train.py" in argv
+        config = flags.parse(cmd.args)
+        if cmd.args[cmd.args.index("--model") + 1] == "350M" if "--model" in cmd.args else False:
+            assert config.data.seq_len == 1024 and config.engine.precision == "bf16"
+            assert config.optim.steps == 10
+    modules = {c.module for r in rows for c in r.commands if c.kind == "module"}
+    assert modules == {"data.prepare", "training.export", "training.evaluate"}
+
+
+def test_the_rows_fit_the_deadline_and_the_tool_limit():
+    a = gpu_check.parse([])
+    assert a.budget == gpu_plan.DEADLINE_S <= 480  # 8 minutes of a 10-minute command
+    rows = gpu_plan.plan(a)
+    assert all(0 < r.budget_s <= 150 for r in rows)
+    # the rows that must run come first: the deadline cuts only from the end
+    assert [r.name for r in rows][:4] == ["prepare", "quickstart", "export", "zero2"]
+
+
+def test_rows_filters_but_keeps_prepare():
+    rows = gpu_plan.plan(gpu_check.parse(["--rows", "ddp,fsdp"]))
+    assert [r.name for r in rows] == ["prepare", "ddp", "fsdp"]
+
+
+def test_a_failing_row_is_recorded_and_the_next_one_runs(tmp_path):
+    a = gpu_check.parse(["--out", str(tmp_path)])
+    bad = gpu_plan.Row(
+        "bad", "a module that is not there", 30, [gpu_plan.Command("module", [], "no_such_mod")]
+    )
+    slow = gpu_plan.Row(
+        "slow",
+        "a sleep over its budget",
+        1,
+        [gpu_plan.Command("module", ["-s", "import time; time.sleep(30)"], "timeit")],
+    )
+    good = gpu_plan.Row(
+        "good",
+        "a module that runs",
+        30,
+        [gpu_plan.Command("module", ["-n", "1", "pass"], "timeit")],
+    )
+    done: dict = {}
+    got = []
+    for row in (bad, slow, good):
+        got.append(gpu_check.run_row(row, a, deadline=1e18, done=done))
+        done[row.name] = got[-1]["status"]
+    assert [r["status"] for r in got] == ["failed", "failed", "ok"]
+    assert "No module named no_such_mod" in got[0]["reason"] and "\n" not in got[0]["reason"]
+    assert got[1]["reason"] == "timed out after 1 s"
+    assert (tmp_path / "logs" / "bad.log").is_file()
+    after = gpu_plan.Row("after", "x", 30, [], after="bad")
+    assert gpu_check.run_row(after, a, 1e18, done)["reason"].startswith("needs the bad row")
+
+
+def test_the_table_renders_a_sample_document():
+    doc = {
+        "date": "2026-01-01T00:00:00Z",
+        "command": "python -m benchmarks.gpu_check",
+        "environment": {
+            "device": "NVIDIA H100 80GB HBM3",
+            "gpus": 1,
+            "cpus": 16,
+            "torch": "2.11.0",
+            "deepspeed": "0.19.8",
+        },
+        "budget_s": 480,
+        "wall_s": 301.5,
+        "rows": [
+            {
+                "name": "zero2",
+                "what": "350M, zero2",
+                "status": "ok",
+                "tokens_per_s": 81234.5,
+                "mfu": 0.4123,
+                "peak_mem_gb": 21.346,
+                "wall_s": 31.2,
+                "final_loss": 7.25,
+            },
+            {
+                "name": "zero3_offload",
+                "what": "350M, zero3_offload",
+                "status": "failed",
+                "reason": "RuntimeError: ninja | not found (exit 1)",
+                "wall_s": 12,
+            },
+            {
+                "name": "evaluate",
+                "what": "lm-eval",
+                "status": "skipped",
+                "reason": "lm_eval is not installed",
+            },
+            {
+                "name": "export",
+                "what": "x",
+                "status": "ok",
+                "wall_s": 20,
+                "logits": {"device": "cuda", "max_diff_fp32": 1e-6, "max_diff_bf16": 0.03},
+            },
+            {
+                "name": "async_save",
+                "what": "y",
+                "status": "ok",
+                "wall_s": 60,
+                "steps": 8,
+                "bitwise": True,
+                "max_rel_loss_diff": 0.0,
+            },
+        ],
+    }
+    md = gpu_report.render(doc)
+    lines = md.splitlines()
+    assert "NVIDIA H100 80GB HBM3 (1 GPU, 16 cores); torch 2.11.0, deepspeed 0.19.8" in md
+    table = [x for x in lines if x.startswith("|")]
+    assert table[0] == gpu_report.COLUMNS and len(table) == 2 + 5
+    assert (
+        table[2] == "| zero2 | 350M, zero2 | ok | 81,234 | 41.2% | 21.35 | 31 | final loss 7.250 |"
+    )
+    assert "**failed**" in table[3] and "ninja / not found" in table[3]  # a | would split the cell
+    assert "| skipped |" in table[4] and "lm_eval is not installed" in table[4]
+    assert "fp32 max diff 1e-06, bf16 0.03" in table[5]
+    assert "8 steps' losses bitwise equal" in table[6]
+    assert all(x.count("|") == table[0].count("|") for x in table)
+
+
+@pytest.mark.slow
+def test_one_row_runs_end_to_end_at_tiny_size(tmp_path):
+    """prepare and the zero2 row, on this CPU, through the same code the GPU runs."""
+    out = tmp_path / "out"
+    argv = [
+        "--tiny",
+        "--slack",
+        "4",
+        "--rows",
+        "zero2",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "work"),
+    ]
+    assert gpu_check.main(argv) == 0
+    doc = json.loads((out / "gpu_check.json").read_text())
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert rows["prepare"]["status"] == rows["zero2"]["status"] == "ok"
+    assert rows["zero2"]["tokens_per_s"] > 0 and rows["zero2"]["peak_mem_gb"] > 0
+    assert doc["environment"]["torch"] and doc["environment"]["device"].startswith("cpu")
+    assert "| zero2 | tiny, zero2" in (out / "gpu_check.md").read_text()
+
+
+# ------------------------------------------------------------------------------ the wheels
+def third_party_imports(packages=("training", "models", "data")) -> dict[str, str]:
+    """{top-level import name: a file importing it} of everything not ours and not stdlib."""
+    ours = {"training", "models", "data", "launch", "benchmarks"}
+    found = {}
+    for package in packages:
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in ours:
+                        found.setdefault(top, str(path.relative_to(REPO)))
+    return found
+
+
+def uncovered(imports: dict[str, str]) -> list[str]:
+    carried, left_out = gpu_wheels.carried(), set(gpu_wheels.LEFT_OUT)
+    out = []
+    for name, where in sorted(imports.items()):
+        dist = gpu_wheels.normalize(gpu_wheels.IMPORT_NAMES.get(name, name))
+        if dist not in carried and name not in left_out:
+            out.append(f"{name} ({where})")
+    return out
+
+
+def test_the_wheels_cover_every_import_the_gpu_image_lacks():
+    imports = third_party_imports()
+    assert {"torch", "deepspeed", "pydantic", "yaml"} <= set(imports)  # the reader sees them
+    assert not uncovered(imports), "neither on the GPU image nor carried nor left out with a reason"
+
+
+def test_the_coverage_check_sees_a_planted_import():
+    assert uncovered({"somelib": "training/x.py", "torch": "training/y.py"}) == [
+        "somelib (training/x.py)"
+    ]
+
+
+def test_every_wheel_is_pinned_by_the_lock_and_deepspeeds_needs_are_met():
+    from importlib.metadata import requires
+
+    for kind in ("binary", "pure", "built"):
+        specs = subprocess.run(
+            [sys.executable, "-m", "benchmarks.gpu_wheels", kind],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        assert specs and all("==" in s for s in specs)
+    for dist in ("deepspeed", "pydantic"):
+        needs = [r.split(";")[0] for r in requires(dist) if "extra ==" not in r]
+        names = {
+            gpu_wheels.normalize(r.split(">")[0].split("=")[0].split("<")[0].strip()) for r in needs
+        }
+        assert names <= gpu_wheels.carried(), names - gpu_wheels.carried()
+
+
+def test_the_shell_scripts_parse():
+    for script in ("gpu_wheels.sh", "gpu_check.sh"):
+        subprocess.run(["bash", "-n", str(REPO / "benchmarks" / script)], check=True)
+    text = (REPO / "benchmarks" / "gpu_check.sh").read_text()
+    assert "--no-index --no-deps --no-compile --target" in text and "benchmarks.gpu_check" in text
+    assert "/.whl/" in (REPO / ".gitignore").read_text().splitlines()
