@@ -32,7 +32,8 @@ def model():
     return build_model("tiny", vocab_size=300).eval()  # fp32, grouped-query attention
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "explicit"])
+# sdpa: each document alone; explicit: the dense mask; flex: FlexAttention (a CPU runs its forward)
+@pytest.mark.parametrize("kernel", ["sdpa", "explicit", "flex"])
 def test_a_packed_window_gives_each_document_its_own_logits(model, kernel):
     set_attention_kernel(model, kernel)
     window = torch.tensor([sum(DOCS, [])])
