@@ -162,45 +162,49 @@ def test_an_8k_block_mask_is_a_sliver_of_the_dense_one():
 
 
 PEAK = """
-import json, resource, sys, torch
+import json, re, sys, torch
 import models.llama as llama
-from models.documents import DocumentStarts, document_mask, document_positions
+from models.documents import document_positions
 sys.path.insert(0, "tests")
 from test_doc_attention import packed
 torch.set_num_threads(1)
 kernel, seq = sys.argv[1], int(sys.argv[2])
-layer = llama.Attention(llama.ZeroStackConfig(hidden_size=64, num_attention_heads=4,
+layer = llama.Attention(llama.ZeroStackConfig(hidden_size=256, num_attention_heads=4,
                                               num_key_value_heads=2), 0)
 layer.kernel = kernel
 def inputs(seq):
     docs, positions = document_positions(packed(1, seq, [300, 1200, 50, 700]), 2)
-    qkv = [torch.randn(1, h, seq, 16, requires_grad=True) for h in (4, 2, 2)]
+    qkv = [torch.randn(1, h, seq, 64, requires_grad=True) for h in (4, 2, 2)]
     return docs, positions, qkv
 def run(docs, positions, qkv):
     mask = llama.document_attention_mask(docs, positions, kernel)
     layer.core(*qkv, mask).sum().backward()
+def peak_kib():
+    return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 run(*inputs(512))  # warm: the kernels' first-call buffers
 ready = inputs(seq)  # q, k, v and their gradients' room are linear in seq: not counted
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+open("/proc/self/clear_refs", "w").write("5")  # the peak so far (imports) is forgotten
+before = peak_kib()
 run(*ready)
-print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024))
+print(json.dumps((peak_kib() - before) * 1024))
 """
 
 
 def peak_bytes(kernel: str, seq: int) -> int:
-    """How far one attention forward and backward at `seq` raises a fresh process's peak RSS."""
+    """How far one attention forward and backward at `seq` raises a fresh process's peak RSS
+    (Linux: the peak is reset through /proc/self/clear_refs before it)."""
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(PEAK), kernel, str(seq)],
                          capture_output=True, text=True, check=True)  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # three fresh processes: ~35 s on 2 cores
+@pytest.mark.slow  # three fresh processes: ~55 s on 2 cores
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 def test_an_8k_packed_window_trains_in_memory_linear_in_its_length():
-    """One attention layer's forward and backward over a packed window on a CPU: the default
-    (SDPA per document) adds about twice the peak at 8192 tokens that it adds at 4096 (measured:
-    14 and 7 MiB), well under a dense mask's 64 MiB; the dense mask under the explicit kernel
-    adds more than the mask itself already at 4096 (measured: 792 MiB)."""
+    """One attention layer's forward and backward over a packed window on a CPU (4 heads of 64):
+    the default (SDPA per document) adds twice the peak at 8192 tokens that it adds at 4096
+    (measured: 48-54 and 24 MiB; a (seq, seq) buffer would make it four times); the dense mask
+    under the explicit kernel adds 813 MiB already at 4096."""
     half, full = peak_bytes("sdpa", 4096), peak_bytes("sdpa", 8192)
-    assert full < 2.5 * half, (half, full)
-    assert full < 8192 * 8192 / 4
-    assert peak_bytes("explicit", 4096) > 4096 * 4096
+    assert full < 3 * half, (half, full)
+    assert peak_bytes("explicit", 4096) > 10 * half
