@@ -142,9 +142,20 @@ def test_on_a_gpu_auto_trains_packed_windows_through_flex(model, monkeypatch):
         torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-5, msg=name)
 
 
-def test_flex_on_a_cpu_is_refused_in_one_line():
+def test_on_a_cpu_auto_takes_sdpa_per_document_and_flex_is_refused_in_one_line(
+    tiny_data, tmp_path, capsys
+):
+    for seq in (256, 2048):  # measured fastest at every length (docs/bench_attention.md)
+        assert pick_attention_kernel("auto", "cpu", seq, masked=True) == "sdpa"
     with pytest.raises(ModelError, match="no FlexAttention backward on CPUs"):
         pick_attention_kernel("flex", "cpu", 1024, masked=True)
+    from training.train import main
+
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "tiny"]
+    assert main([*argv, "--doc-mask", "--attention", "flex"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--attention flex: torch" in err[-1] and "no FlexAttention backward" in err[-1], err
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_8k_block_mask_is_a_sliver_of_the_dense_one():
@@ -208,3 +219,17 @@ def test_an_8k_packed_window_trains_in_memory_linear_in_its_length():
     half, full = peak_bytes("sdpa", 4096), peak_bytes("sdpa", 8192)
     assert full < 3 * half, (half, full)
     assert peak_bytes("explicit", 4096) > 10 * half
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on GPUs only")
+def test_on_a_gpu_flex_trains_the_dense_masks_numbers():
+    torch.manual_seed(0)
+    config = get_config("tiny", vocab_size=300, max_position_embeddings=512)
+    model = ZeroStackForCausalLM(config).cuda()
+    set_document_mask(model, EOS)
+    ids = WINDOWS.cuda()
+    loss, grads = loss_and_grads(model, pick_attention_kernel("auto", "cuda", 300, True), ids)
+    dense_loss, dense_grads = loss_and_grads(model, "sdpa", ids, dense=True)
+    assert abs(loss - dense_loss) < 1e-4
+    for name, g in dense_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-4, msg=name)
