@@ -21,6 +21,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import models.cpu_attention as cpu_attention
 from models.config import ZeroStackConfig
+from models.documents import (
+    BlockMask,
+    DocumentStarts,
+    document_attention_mask,
+    document_positions,
+    flex_document_attention,
+    per_document_attention,
+)
 from models.errors import ModelError
 
 IGNORE_INDEX = -100
@@ -102,7 +110,7 @@ def init_weights(module: nn.Module, std: float) -> None:
         init.ones_(module.weight)
 
 
-ATTENTION_KERNELS = ("sdpa", "explicit", "flash")
+ATTENTION_KERNELS = ("sdpa", "explicit", "flash", "flex")
 EXPLICIT_UP_TO = 512  # without "flash", "auto" picks the explicit kernel on CPUs up to here
 
 
@@ -168,6 +176,10 @@ class Attention(nn.Module):
     def core(self, q, k, v, mask=None) -> torch.Tensor:
         """Attention proper on (batch, heads, seq, head_dim) q/k/v; the model passes a mask only
         when the causal flag cannot express it (padding, chunked prefill, documents)."""
+        if isinstance(mask, BlockMask):
+            return flex_document_attention(q, k, v, mask)
+        if isinstance(mask, DocumentStarts):
+            return per_document_attention(q, k, v, mask.starts)
         if self.kernel == "explicit":
             return explicit_attention(q, k, v, mask)
         if self.kernel == "flash" and mask is None and cpu_attention.fits(q, k):
@@ -187,19 +199,26 @@ def pick_attention_kernel(choice: str, device_type: str, seq_len: int, masked: b
     docs/bench_attention.md): on a CPU, SDPA's forward with our backward ("flash") where the
     host runs it and the sequence divides into its blocks, else the explicit kernel up to
     sequence 512 and SDPA beyond; GPUs keep SDPA's fused kernels. `masked`: attention under a
-    mask beyond causality (document masking), which "flash" does not take. "flash" asked for on
-    a host that cannot run it is a ModelError that says why."""
+    mask beyond causality (document masking), which "flash" does not take: on a GPU it takes
+    FlexAttention ("flex"), whose block mask skips the blocks between documents in one fused
+    kernel; on a CPU, SDPA over each document alone (models/documents.py). "flash" asked for on a host that cannot run it, or "flex" on a CPU (torch has
+    no FlexAttention backward there), is a ModelError that says why."""
     if choice == "flash" and (why := cpu_attention.available()) is not None:
         raise ModelError(f"--attention flash: not on this host: {why}")
+    if choice == "flex" and device_type == "cpu":
+        raise ModelError(
+            f"--attention flex: torch {torch.__version__} has no FlexAttention backward on CPUs; "
+            "use --attention auto (SDPA per document) or run on a GPU"
+        )
     if choice != "auto":
         return choice
     if device_type != "cpu":
+        return "flex" if masked else "sdpa"
+    if masked:
+        # SDPA per document, no dense mask: a step 725 ms at 256 tokens against 852 (SDPA, dense)
+        # and 874 (explicit), 988 against 1621 and 1788 at 2048 (docs/bench_attention.md)
         return "sdpa"
-    if (
-        not masked
-        and seq_len % cpu_attention.SMALL_BLOCK == 0
-        and cpu_attention.available() is None
-    ):
+    if seq_len % cpu_attention.SMALL_BLOCK == 0 and cpu_attention.available() is None:
         return "flash"
     return "explicit" if seq_len <= EXPLICIT_UP_TO else "sdpa"
 
@@ -289,28 +308,6 @@ def _attention_mask(
         # A padding query with no visible key would make SDPA return NaN; let it see itself (its output is unused).
         mask = mask | (k_pos[None, :] == q_pos[:, None])
     return mask
-
-
-def document_positions(
-    input_ids: torch.Tensor, separator: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(document index, position within its document) of every token of packed windows (batch, seq)
-    in which `separator` (the data's EOS) ends each document. The separator belongs to the document
-    it ends; the token after it starts the next one at position 0.
-    E.g. ids [a, b, EOS, c, EOS, d] -> documents [0, 0, 0, 1, 1, 2], positions [0, 1, 2, 0, 1, 0]."""
-    ends = input_ids == separator
-    docs = ends.cumsum(-1) - ends.long()
-    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-    # Where each token's document starts: one past the last separator before it (0 for none).
-    after_end = F.pad(torch.where(ends, index + 1, 0)[..., :-1], (1, 0))
-    return docs, index - after_end.cummax(-1).values
-
-
-def document_mask(docs: torch.Tensor) -> torch.Tensor:
-    """Boolean (batch, 1, seq, seq) mask, True = attend: causal, and within the query's document."""
-    t = docs.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=docs.device).tril_()
-    return (docs[:, :, None] == docs[:, None, :]).unsqueeze(1) & causal
 
 
 class _CrossEntropyGradInForward(torch.autograd.Function):
@@ -471,7 +468,8 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         if packed and cache is None and mask is None and position_ids is None:
             # Packed documents (training): each attends to itself only, from position 0.
             docs, position_ids = document_positions(input_ids, self.document_separator)
-            mask = document_mask(docs)
+            # One mask a forward, in the shape this model's attention kernel takes.
+            mask = document_attention_mask(docs, position_ids, self.layers[0].attention.kernel)
             cos, sin = rope_cos_sin(self.config, t, h.device, dtype)  # positions are below t
             cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)
         elif position_ids is None:

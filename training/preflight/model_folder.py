@@ -106,7 +106,7 @@ def check_model(config: RunConfig, model_cfg, manifest, stages: int, cfg_path: s
     model (a preset, our folder or a Llama folder) between its blocks."""
     kind = getattr(model_cfg, "model_type", "?")
     ours = kind in ("zerostack", "llama")
-    if config.model.attention in ("explicit", "flash") and not ours:
+    if config.model.attention in ("explicit", "flash", "flex") and not ours:
         raise ConfigError(
             f"--attention {config.model.attention}: {config.model.name} is a {kind} model; that kernel "
             "is our model's (presets, our exports, Llama folders). Drop the flag"
