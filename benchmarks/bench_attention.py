@@ -3,7 +3,7 @@
     python benchmarks/bench_attention.py [--seqs 256,512,1024,2048] [--tokens 2048] [--heads 12]
                                          [--kv-heads 12] [--head-dim 64] [--out docs/bench_attention.md]
 
-SDPA (PyTorch's flash kernel both ways), `explicit` (softmax(QK^T)V written out) and `flash`
+SDPA (PyTorch's flash kernel both ways), `explicit` (softmax(QK^T)V written out) and `amx`
 (SDPA's forward, zerostack's backward: models/cpu_attention.py), bf16, one thread (what each of
 two ranks gets), q laid out as the model makes it. Each sequence length holds `--tokens` tokens
 a batch. Kernels alternate round by round so drift in the host's speed hits them alike; the
@@ -36,9 +36,9 @@ def kernels() -> dict:
     }
     why = cpu_attention.available()
     if why is None:
-        out["flash"] = cpu_attention.causal_attention
+        out["amx"] = cpu_attention.causal_attention
     else:
-        print(f"flash: not on this host ({why})")
+        print(f"amx: not on this host ({why})")
     return out
 
 

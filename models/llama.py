@@ -110,8 +110,8 @@ def init_weights(module: nn.Module, std: float) -> None:
         init.ones_(module.weight)
 
 
-ATTENTION_KERNELS = ("sdpa", "explicit", "flash", "flex")
-EXPLICIT_UP_TO = 512  # without "flash", "auto" picks the explicit kernel on CPUs up to here
+ATTENTION_KERNELS = ("sdpa", "explicit", "amx", "flex")
+EXPLICIT_UP_TO = 512  # without "amx", "auto" picks the explicit kernel on CPUs up to here
 
 
 def explicit_attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
@@ -182,7 +182,7 @@ class Attention(nn.Module):
             return per_document_attention(q, k, v, mask.starts)
         if self.kernel == "explicit":
             return explicit_attention(q, k, v, mask)
-        if self.kernel == "flash" and mask is None and cpu_attention.fits(q, k):
+        if self.kernel == "amx" and mask is None and cpu_attention.fits(q, k):
             return cpu_attention.causal_attention(q, k, v)
         return F.scaled_dot_product_attention(
             q,
@@ -196,15 +196,15 @@ class Attention(nn.Module):
 
 def pick_attention_kernel(choice: str, device_type: str, seq_len: int, masked: bool = False) -> str:
     """`choice`, with "auto" made concrete where each was measured faster (docs/benchmarks.md,
-    docs/bench_attention.md): on a CPU, SDPA's forward with our backward ("flash") where the
+    docs/bench_attention.md): on a CPU, SDPA's forward with our backward ("amx") where the
     host runs it and the sequence divides into its blocks, else the explicit kernel up to
     sequence 512 and SDPA beyond; GPUs keep SDPA's fused kernels. `masked`: attention under a
-    mask beyond causality (document masking), which "flash" does not take: on a GPU it takes
+    mask beyond causality (document masking), which "amx" does not take: on a GPU it takes
     FlexAttention ("flex"), whose block mask skips the blocks between documents in one fused
-    kernel; on a CPU, SDPA over each document alone (models/documents.py). "flash" asked for on a host that cannot run it, or "flex" on a CPU (torch has
+    kernel; on a CPU, SDPA over each document alone (models/documents.py). "amx" asked for on a host that cannot run it, or "flex" on a CPU (torch has
     no FlexAttention backward there), is a ModelError that says why."""
-    if choice == "flash" and (why := cpu_attention.available()) is not None:
-        raise ModelError(f"--attention flash: not on this host: {why}")
+    if choice == "amx" and (why := cpu_attention.available()) is not None:
+        raise ModelError(f"--attention amx: not on this host: {why}")
     if choice == "flex" and device_type == "cpu":
         raise ModelError(
             f"--attention flex: torch {torch.__version__} has no FlexAttention backward on CPUs; "
@@ -219,7 +219,7 @@ def pick_attention_kernel(choice: str, device_type: str, seq_len: int, masked: b
         # and 874 (explicit), 988 against 1621 and 1788 at 2048 (docs/bench_attention.md)
         return "sdpa"
     if seq_len % cpu_attention.SMALL_BLOCK == 0 and cpu_attention.available() is None:
-        return "flash"
+        return "amx"
     return "explicit" if seq_len <= EXPLICIT_UP_TO else "sdpa"
 
 
@@ -230,8 +230,8 @@ def set_attention_kernel(model: nn.Module, kernel: str) -> int:
             f"attention kernel {kernel!r}: choose one of {', '.join(ATTENTION_KERNELS)}"
         )
     # loads the C++ in this process (a process that never picked it has not)
-    if kernel == "flash" and (why := cpu_attention.available()) is not None:
-        raise ModelError(f"attention kernel 'flash': not on this host: {why}")
+    if kernel == "amx" and (why := cpu_attention.available()) is not None:
+        raise ModelError(f"attention kernel 'amx': not on this host: {why}")
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for m in layers:
         m.kernel = kernel

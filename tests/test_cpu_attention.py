@@ -71,19 +71,19 @@ def _loss_and_grads(model, x):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_the_model_trains_alike_under_flash_and_sdpa(kernel):
-    """bf16 autocast, sequence 128: the flash kernel's loss is SDPA's (same forward) and its
+def test_the_model_trains_alike_under_amx_and_sdpa(kernel):
+    """bf16 autocast, sequence 128: the amx kernel's loss is SDPA's (same forward) and its
     gradients agree within bf16 rounding; a sequence that does not divide into blocks falls
     back to SDPA."""
     model = _model()
     x = torch.randint(0, 256, (2, 128))
     set_attention_kernel(model, "sdpa")
     loss_sdpa, grads_sdpa = _loss_and_grads(model, x)
-    set_attention_kernel(model, "flash")
-    loss_flash, grads_flash = _loss_and_grads(model, x)
-    assert torch.equal(loss_flash, loss_sdpa)
+    set_attention_kernel(model, "amx")
+    loss_amx, grads_amx = _loss_and_grads(model, x)
+    assert torch.equal(loss_amx, loss_sdpa)
     for name, g in grads_sdpa.items():
-        assert _rel(grads_flash[name], g.float()) < 2e-2, name
+        assert _rel(grads_amx[name], g.float()) < 2e-2, name
     odd = torch.randint(0, 256, (2, 100))  # not a multiple of the block: SDPA's path
     loss_odd, _ = _loss_and_grads(model, odd)
     set_attention_kernel(model, "sdpa")
@@ -98,7 +98,7 @@ def test_compiled_blocks_call_the_kernel(kernel):
 
     model = _model()
     x = torch.randint(0, 256, (2, 128))
-    set_attention_kernel(model, "flash")
+    set_attention_kernel(model, "amx")
     loss_eager, grads_eager = _loss_and_grads(model, x)
     torch._dynamo.reset()
     compile_blocks(model)
@@ -112,9 +112,9 @@ def test_compiled_blocks_call_the_kernel(kernel):
         assert _rel(grads_compiled[name], g.float()) < 3e-2, name
 
 
-def test_auto_picks_flash_on_cpus_that_run_it(kernel, monkeypatch):
-    assert pick_attention_kernel("auto", "cpu", 256) == "flash"
-    assert pick_attention_kernel("auto", "cpu", 1024) == "flash"
+def test_auto_picks_amx_on_cpus_that_run_it(kernel, monkeypatch):
+    assert pick_attention_kernel("auto", "cpu", 256) == "amx"
+    assert pick_attention_kernel("auto", "cpu", 1024) == "amx"
     assert pick_attention_kernel("auto", "cpu", 200) == "explicit"  # not in blocks of 64
     assert pick_attention_kernel("auto", "cuda", 1024) == "sdpa"
     assert pick_attention_kernel("auto", "cpu", 256, masked=True) == "sdpa"  # --doc-mask
@@ -123,22 +123,22 @@ def test_auto_picks_flash_on_cpus_that_run_it(kernel, monkeypatch):
 
 def test_auto_falls_back_on_a_host_without_amx(monkeypatch):
     """Runs on every host: a CPU without AMX (simulated where the host has it) never gets the
-    flash kernel from auto, and asking for it says why in one line."""
+    amx kernel from auto, and asking for it says why in one line."""
     monkeypatch.setattr(cpu_attention, "_has_amx", lambda: False)
     cpu_attention.available.cache_clear()
     try:
         assert pick_attention_kernel("auto", "cpu", 256) == "explicit"
         assert pick_attention_kernel("auto", "cpu", 1024) == "sdpa"
         with pytest.raises(ModelError, match="no AMX"):
-            pick_attention_kernel("flash", "cpu", 1024)
+            pick_attention_kernel("amx", "cpu", 1024)
         with pytest.raises(ModelError, match="no AMX"):
-            set_attention_kernel(_model(), "flash")
+            set_attention_kernel(_model(), "amx")
     finally:
         cpu_attention.available.cache_clear()
 
 
 def test_a_fresh_process_that_only_sets_the_kernel_trains(kernel):
-    """set_attention_kernel(model, "flash") loads the C++ op itself: a process that never asked
+    """set_attention_kernel(model, "amx") loads the C++ op itself: a process that never asked
     pick_attention_kernel (a benchmark's loop, a user's script) still runs the backward."""
     import subprocess
     import sys
@@ -148,7 +148,7 @@ def test_a_fresh_process_that_only_sets_the_kernel_trains(kernel):
         "import torch\n"
         "from models import build_model, set_attention_kernel\n"
         "m = build_model('tiny', vocab_size=512)\n"
-        "set_attention_kernel(m, 'flash')\n"
+        "set_attention_kernel(m, 'amx')\n"
         "x = torch.randint(0, 512, (2, 128))\n"
         "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
         "    loss = m(input_ids=x, labels=x, shift_labels=x).loss\n"

@@ -107,7 +107,7 @@ def test_foreign_models_and_pipelines_are_refused_in_one_line(
             ["--model", "tiny", "--ds_config", "ds_configs/pipeline.json"],
             "does not reach the pipeline's stages",
         ),
-        (["--model", "tiny", "--attention", "flash"], "the flash kernel is causal only"),
+        (["--model", "tiny", "--attention", "amx"], "the amx kernel is causal only"),
     ):
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip()

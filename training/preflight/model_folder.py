@@ -106,18 +106,18 @@ def check_model(config: RunConfig, model_cfg, manifest, stages: int, cfg_path: s
     model (a preset, our folder or a Llama folder) between its blocks."""
     kind = getattr(model_cfg, "model_type", "?")
     ours = kind in ("zerostack", "llama")
-    if config.model.attention in ("explicit", "flash", "flex") and not ours:
+    if config.model.attention in ("explicit", "amx", "flex") and not ours:
         raise ConfigError(
             f"--attention {config.model.attention}: {config.model.name} is a {kind} model; that kernel "
             "is our model's (presets, our exports, Llama folders). Drop the flag"
         )
-    if config.model.attention == "flash" and config.data.doc_mask:
+    if config.model.attention == "amx" and config.data.doc_mask:
         raise ConfigError(
-            "--attention flash with --doc-mask: the flash kernel is causal only; drop one "
+            "--attention amx with --doc-mask: the amx kernel is causal only; drop one "
             "(--attention auto picks a kernel that takes the documents' mask)"
         )
-    if config.model.attention == "flash" and (why := cpu_attention.available()) is not None:
-        raise ConfigError(f"--attention flash: not on this host: {why}. Use --attention sdpa")
+    if config.model.attention == "amx" and (why := cpu_attention.available()) is not None:
+        raise ConfigError(f"--attention amx: not on this host: {why}. Use --attention sdpa")
     if config.data.doc_mask and not ours:
         raise ConfigError(
             f"--doc-mask: {config.model.name} is a {kind} model; document masking is our model's "

@@ -80,12 +80,12 @@ class ModelConfig:
         "targets=q_proj,v_proj (every key optional; 'default' for all defaults; targets default "
         "to every attention and MLP projection); deepspeed ZeRO 0-3 or ddp",
     )
-    attention: Literal["auto", "sdpa", "explicit", "flash", "flex"] = setting(
+    attention: Literal["auto", "sdpa", "explicit", "amx", "flex"] = setting(
         "auto",
         "attention kernel of our model: SDPA; softmax(QK^T)V written out (faster on CPUs at "
-        "short sequences); flash: SDPA's forward with zerostack's CPU backward (built on first "
+        "short sequences); amx: SDPA's forward with zerostack's CPU backward (built on first "
         "use; needs a C++ compiler and AMX); or flex: FlexAttention's block mask for "
-        "--doc-mask windows (GPUs only). auto, on a CPU: flash where the host runs it and "
+        "--doc-mask windows (GPUs only). auto, on a CPU: amx where the host runs it and "
         "--seq-len is a multiple of 64, else explicit up to --seq-len 512, then sdpa; with "
         "--doc-mask, sdpa (per document); on GPUs sdpa, flex with --doc-mask",
     )
