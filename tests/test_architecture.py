@@ -406,7 +406,7 @@ def test_the_length_check_sees_a_long_function(tmp_path):
 
 # ------------------------------------------------------------------ behaviour comes from settings
 # Below training/preflight/ nothing reads the environment to choose what runs: every such
-# choice is a flag (training/settings/flags.py) resolved once in preflight (docs/settings.md).
+# choice is a setting (training/settings/run_config.py) resolved once in preflight (docs/settings.md).
 # What may be read is plumbing: where the launcher put this rank, and the settings of the
 # libraries and tools we drive, read as they themselves would.
 PLUMBING_VARS = {
@@ -511,7 +511,7 @@ def test_nothing_below_preflight_reads_the_environment_to_choose_behaviour():
                 found.append(f"{rel}:{line}: reads ${name}")
     assert not found, (
         "behaviour read from the environment below preflight (make it a flag in "
-        "training/settings/flags.py, resolved in training/preflight/):\n" + "\n".join(found)
+        "training/settings/run_config.py, resolved in training/preflight/):\n" + "\n".join(found)
     )
 
 

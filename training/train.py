@@ -4,8 +4,8 @@
         --data DATA_DIR --model small --out runs/small
     torchrun --nproc_per_node 2 training/train.py --backend ddp --data DATA_DIR --out runs/ddp
 
-parse the run's configuration (settings/flags.py: the flags over the run file) -> check everything that can be checked before any work
-(preflight/) -> train under guard.py, which turns how the run ended into its exit code
+parse the run's configuration (settings/flags.py: the flags over the run file) -> check
+everything that can be checked before any work (preflight/) -> train under guard.py, which turns how the run ended into its exit code
 (errors.py: 0 done, 2 bad input, 3 diverged, 4 lost a rank, 5 could not save, 75 preempted).
 Training: the process group and the resume plan verified by all ranks (startup.py), the model
 built for its engine, the engine, the data restored to where the checkpoint left it, the run's

@@ -1,5 +1,5 @@
-"""The trainer's behaviour switches, resolved once before any rank starts: each is a flag
-(settings/flags.py) whose "auto" is made concrete here, from the config, the device and the
+"""The trainer's behaviour switches, resolved once before any rank starts: each is a setting
+(settings/run_config.py) whose "auto" is made concrete here, from the config, the device and the
 host, and handed down as a plain bool. `Switches.as_record()` is what resolved_config.json keeps
 of them: the value and why (docs/settings.md lists every one, its default and who reads it).
 
