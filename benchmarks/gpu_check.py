@@ -21,19 +21,17 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from benchmarks.gpu_plan import DEADLINE_S, REPO, Command, Row, plan
+from launch.supervise import run_marked
 
 WARMUP_STEPS = 3  # steps left out of tokens/s and MFU (allocation, kernel selection)
-MARKER = "ZEROSTACK_GPU_CHECK_ROW"
 
 
 # ------------------------------------------------------------------------------ running
@@ -43,39 +41,12 @@ def run_command(cmd: Command, timeout: float, log) -> str:
     argv = cmd.argv()
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
-    marker = uuid.uuid4().hex  # finds the row's ranks, which torchrun starts outside our group
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", MARKER: marker}
-    p = subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = p.communicate(timeout=max(1.0, timeout))
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        kill_marked(marker)  # a surviving rank would hold the GPU and the pipe open
-        out, _ = p.communicate(timeout=60)
-        log.write(out)
+    # a row's ranks that outlived a timeout would hold the GPU: killed with it (supervise.py)
+    p, timed_out = run_marked(argv, cwd=REPO, timeout=timeout, merge_stderr=True)
+    log.write(p.stdout)
+    if timed_out:
         return f"timed out after {timeout:.0f} s"
-    log.write(out)
-    return "" if p.returncode == 0 else failure_line(out, p.returncode)
-
-
-def kill_marked(marker: str) -> None:
-    """SIGKILL every process started with MARKER=marker in its environment."""
-    import psutil
-
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(MARKER) == marker:
-                proc.kill()
-        except psutil.Error:
-            continue
+    return "" if p.returncode == 0 else failure_line(p.stdout, p.returncode)
 
 
 def failure_line(output: str, code: int) -> str:

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 from launch.launcher_argv import launcher_command
+from launch.supervise import run_marked
 from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,33 +58,11 @@ def launch(
     the trainer's defaults as a user gets them (compiled blocks on a CPU included)."""
     program = [script, *train_args(args, script, as_shipped)]
     cmd = launcher_command("torchrun", nproc, program, port=free_port(), python=PY)
-    marker = uuid.uuid4().hex  # finds this launch's ranks if it times out
-    full_env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "ZEROSTACK_TEST_LAUNCH": marker,
-        **(env or {}),
-    }
-    # A new session, so a timeout kills the ranks too, not just the launcher.
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        kill_marked(marker)
-        out, err = proc.communicate(timeout=60)
+    p, timed_out = run_marked(cmd, cwd=REPO, timeout=timeout, env=env)
+    if timed_out:
         raise AssertionError(
-            f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}"
-        ) from None
-    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            f"{' '.join(cmd)} timed out after {timeout}s:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        )
     if check and p.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
@@ -101,20 +78,6 @@ def shm_has_room(ranks: int = 2) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize >= ranks * 70 * 2**20
-
-
-def kill_marked(marker: str) -> None:
-    """SIGKILL every process launched with ZEROSTACK_TEST_LAUNCH=marker. torchrun starts each
-    rank in a session of its own, and a rank can outlive it, so its process group is not enough
-    (a surviving rank keeps the output pipes open and `communicate` would wait forever)."""
-    import psutil
-
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("ZEROSTACK_TEST_LAUNCH") == marker:
-                p.kill()
-        except psutil.Error:
-            continue
 
 
 def refused(capsys, monkeypatch, tmp_path, argv, world=2) -> str:

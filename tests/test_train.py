@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 
@@ -14,13 +13,13 @@ from conftest import (
     REPO,
     TINY_RUN,
     free_port,
-    kill_marked,
     launch,
     read_metrics,
     shm_has_room,
 )
 
 from launch.launcher_argv import launcher_command
+from launch.supervise import kill_launch, start_marked
 
 CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fp32"]
 COMMON = TINY_RUN
@@ -200,28 +199,13 @@ def test_kill_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
         *train_args(tiny_data, out, "--steps", "6", "--save-every", "2"),
     ]
     cmd = launcher_command("torchrun", 2, program, port=free_port(), python=PY)
-    marker = f"kill-during-save-{os.getpid()}"
-    env = {
-        **os.environ,
-        "ZEROSTACK_TEST_HOLD_SAVE": "4:60",
-        "PYTHONUNBUFFERED": "1",
-        "ZEROSTACK_TEST_LAUNCH": marker,
-    }
-    p = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    env = {"ZEROSTACK_TEST_HOLD_SAVE": "4:60"}
+    p, mark = start_marked(cmd, cwd=REPO, env=env, merge_stderr=True)
     deadline = time.time() + 300
     for line in p.stdout:
         if "holding save of step_00000004" in line or time.time() > deadline:
             break
-    os.killpg(p.pid, signal.SIGKILL)
-    kill_marked(marker)  # the whole job: torchrun starts each rank in a session of its own
+    kill_launch(p, mark)  # the whole job: torchrun starts each rank in a session of its own
     p.wait()
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_00000002"
