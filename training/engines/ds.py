@@ -198,7 +198,9 @@ class DeepSpeedEngine(Engine):
         state = dict(client_state)
         if getattr(self.engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
             state[UNIVERSAL_CHECKPOINT_INFO] = {}
-        if writer is None:
+        # Outside the verified versions DeepSpeed writes its files itself: a synchronous save,
+        # which the seal hashes and fsyncs as it does any file the writer did not stage.
+        if writer is None or not patches.verified("staged_checkpoint_engine"):
             self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
             return
         # --async-save: DeepSpeed's own save, each file it writes through its checkpoint engine
