@@ -55,7 +55,7 @@ class DeepSpeedEngine(Engine):
         """`whole_blocks`: ZeRO-3 gathers each transformer block as one unit; `grad_sum`: ZeRO-1/2
         sum gradients ("gradient_allreduce_op": "sum") over a loss the trainer divides by the
         data-parallel world, rather than DeepSpeed dividing every reduce bucket (the same
-        gradients, to the bit for a world that is a power of two). Both resolved by the
+        gradients, checked to the bit on 2 ranks). Both resolved by the
         trainer's switches (training/preflight/switches.py)."""
         super().__init__()
         tp, sp = parallel.tensor_size(ds_config), parallel.sequence_size(ds_config)
