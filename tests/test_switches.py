@@ -5,6 +5,8 @@ what the launcher and the machine say."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from training.errors import ConfigError
@@ -122,8 +124,11 @@ def test_the_held_zero3_config_covers_the_whole_model():
     ],
 )
 def test_ranks_on_this_host_as_the_launcher_says(monkeypatch, env, expected):
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+    # Inside a SLURM or MPI allocation their variables would answer first (preflight/hosts.py).
+    launchers = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MPI_LOCALNRANKS")
+    for name in list(os.environ):
+        if name in launchers or name.startswith(("SLURM_", "OMPI_", "PMI_")):
+            monkeypatch.delenv(name)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert ranks_on_this_host(4) == expected
