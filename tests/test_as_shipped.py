@@ -62,8 +62,8 @@ def test_compiled_kill_9_and_rerun_end_where_the_uninterrupted_run_ends(tiny_dat
 def test_compiled_universal_resume_on_one_rank_follows_the_two_rank_run(tiny_data, whole, tmp_path):
     """The compiled 2-rank run's step-4 checkpoint resumed on 1 rank (the same global batch by
     accumulation), compiled: converted to a universal copy, and steps 5-8 follow the 2-rank
-    run within the rounding of the precision "auto" picked (the bound test_universal.py holds
-    eager in fp32, 10x that in bf16)."""
+    run to the last bits of the fp32 loss, in whichever precision "auto" picked (bf16 on a
+    host with bf16 units; test_universal.py's runs take "auto" too, and hold 1e-3 eager)."""
     out = tmp_path / "one"
     src = whole / "checkpoints" / "step_00000004"
     r = launch(
@@ -73,7 +73,10 @@ def test_compiled_universal_resume_on_one_rank_follows_the_two_rank_run(tiny_dat
     assert "universal: saved on 2 ranks, ZeRO-2" in r.stdout + r.stderr
     record = json.loads((out / "resolved_config.json").read_text())
     assert record["compiled"] == "2 x Block"
-    tol = 1e-3 if record["precision"] == "fp32" else 1e-2
+    # Measured (AMD EPYC Zen 4, AVX-512 with bf16 units, no AMX; 2026-11-26): at most 4.1e-8
+    # in bf16 and in fp32 (--precision fp32), the fp32 loss's last bit; 1e-5 leaves room for
+    # another host's summation order, and a master copy rounded to bf16 on the way breaks it.
+    tol = 1e-5
     ref = {x["step"]: x["loss"] for x in read_metrics(whole)}
     resumed = {x["step"]: x["loss"] for x in read_metrics(out)}
     assert sorted(resumed) == [5, 6, 7, 8]

@@ -61,7 +61,7 @@ def test_shm_collectives_on_four_ranks_round_as_a_sum_in_another_order():
     and FSDP2's are gloo's to fp32 rounding only: the kernel adds the ranks in another order
     than gloo's ring, so the bitwise claim holds on two ranks alone, a power of two or not."""
     world = 4
-    if not shm_has_room():
+    if not shm_has_room(world):
         pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
     r = launch([], nproc=world, script="tests/scripts/shm_collectives.py")
     out = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("{")))

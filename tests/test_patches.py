@@ -1,12 +1,19 @@
 """The patches into DeepSpeed's and torch's internals (training/runtime/patches.py): each is
-applied only on the versions it was verified against, and its stock path and its patched path
-train the same model alike (fp32, so the comparison is of the arithmetic, not of rounding)."""
+applied only on the versions it was verified against and names the test that verifies it;
+where the stock path runs, it is run against the patched one here (the shm route trains the
+same model alike, in fp32 so the comparison is of the arithmetic; the staged checkpoint engine
+writes the files DeepSpeed's own writes)."""
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import TINY_RUN, launch, read_metrics, shm_has_room
 
 from training.runtime import patches
@@ -40,6 +47,78 @@ def test_outside_its_range_a_patch_takes_the_stock_path_and_says_so():
     assert patches.check("fsdp2_held_grads", "2.13.0")[0] is True
     for name in patches.PATCHES:  # every patch names its stock path
         assert "stock: " in patches.PATCHES[name].what
+
+
+def test_every_patch_names_a_test_that_exists():
+    """Each patch's `tested` names file::function of a test in this folder, so the registry's
+    word on how a patch is verified cannot outlive the test."""
+    here = Path(__file__).parent
+    for name, p in patches.PATCHES.items():
+        path, function = p.tested.split(": ")[0].split("::")
+        source = (here.parent / path).read_text()
+        assert re.search(rf"^def {function}\(", source, re.M), (name, p.tested)
+
+
+def test_staged_checkpoint_engine_writes_what_deepspeeds_writes(tmp_path):
+    """--async-save's checkpoint engine (engines/ds.py, swapped into DeepSpeed's engine for one
+    save) against DeepSpeed's own: the same state dict (a view sharing its buffer, as ZeRO's
+    flat partitions do) loads back equal from both files, the view still sharing; the staged
+    file is in the writer's hashes (the seal takes them). DeepSpeed's engine calls nothing on
+    its checkpoint engine that the staged one leaves to a stock default it should not have."""
+    import deepspeed.runtime.engine
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from training.checkpoints.background import BackgroundWriter
+    from training.engines.ds import StagedCheckpointEngine
+
+    flat = torch.randn(12)
+    state = {"flat": flat, "part": flat[4:8], "step": 3, "inner": {"m": torch.ones(2, 3)}}
+    stock, writer = TorchCheckpointEngine(), BackgroundWriter()
+    staged = StagedCheckpointEngine(stock, writer)
+    stock.save(state, str(tmp_path / "stock.pt"))
+    staged.save(state, str(tmp_path / "staged.pt"))
+    assert writer.wait(60) and writer.error is None
+    assert [Path(p).name for p in writer.written] == ["staged.pt"]
+    a, b = (torch.load(tmp_path / f, weights_only=False) for f in ("stock.pt", "staged.pt"))
+    assert a.keys() == b.keys() and a["step"] == b["step"] == 3
+    for x, y in (
+        (a["flat"], b["flat"]),
+        (a["part"], b["part"]),
+        (a["inner"]["m"], b["inner"]["m"]),
+    ):
+        assert torch.equal(x, y)
+    assert b["part"].untyped_storage().data_ptr() == b["flat"].untyped_storage().data_ptr()
+    # Every method DeepSpeed's engine calls is on the base class (a new one would be missed
+    # here) and, where the stock engine overrides it, the staged one does too.
+    called = set(
+        re.findall(r"checkpoint_engine\.(\w+)\(", inspect.getsource(deepspeed.runtime.engine))
+    )
+    assert called and called <= set(dir(CheckpointEngine)), called - set(dir(CheckpointEngine))
+    stock_own = {m for m in called if m in vars(TorchCheckpointEngine)}
+    assert stock_own <= set(vars(StagedCheckpointEngine)), stock_own - set(
+        vars(StagedCheckpointEngine)
+    )
+    assert not staged.is_decoupled()  # DeepSpeed commits at once: zerostack's seal decides
+
+
+def test_outside_its_versions_async_save_is_deepspeeds_own_save(monkeypatch):
+    """The staged checkpoint engine's stock path: DeepSpeed saves with its own engine (the files
+    written during the save, the seal hashing them), and its engine is put back either way."""
+    from training.engines import ds
+
+    class Stub:
+        module, checkpoint_engine, used = torch.nn.Linear(1, 1), "stock", []
+
+        def save_checkpoint(self, *args, **kwargs):
+            self.used.append(self.checkpoint_engine)
+
+    me = Stub()
+    for verified in (True, False):
+        monkeypatch.setattr(ds.patches, "verified", lambda name, ok=verified: ok)
+        ds.DeepSpeedEngine.save(SimpleNamespace(engine=me), "root", "tag", {}, writer=object())
+        assert me.checkpoint_engine == "stock"
+    assert isinstance(me.used[0], ds.StagedCheckpointEngine) and me.used[1] == "stock"
 
 
 def test_the_swapped_optimizer_workaround_finds_the_bug_it_works_around():

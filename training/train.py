@@ -290,7 +290,12 @@ def train_loop(t: Training) -> dict:
         stop_at=config.checkpoint.stop_at,
         max_bad_steps=config.optim.max_bad_steps,
         flops_per_token=record["flops_per_token"],
-        ceiling=LiveCeiling(record["peak_flops_per_rank"] * dist.world, t.reprobe, dist.world),
+        ceiling=LiveCeiling(
+            record["peak_flops_per_rank"] * dist.world,
+            t.reprobe,
+            dist.world,
+            record["flops_per_token"],
+        ),
         compiled=record["compiled"],
         token_weighted=getattr(loader.dataset, "masked", False),
         eval_on_start=config.eval.on_start,

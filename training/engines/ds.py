@@ -55,7 +55,7 @@ class DeepSpeedEngine(Engine):
         """`whole_blocks`: ZeRO-3 gathers each transformer block as one unit; `grad_sum`: ZeRO-1/2
         sum gradients ("gradient_allreduce_op": "sum") over a loss the trainer divides by the
         data-parallel world, rather than DeepSpeed dividing every reduce bucket (the same
-        gradients, to the bit for a world that is a power of two). Both resolved by the
+        gradients, checked to the bit on 2 ranks). Both resolved by the
         trainer's switches (training/preflight/switches.py)."""
         super().__init__()
         tp, sp = parallel.tensor_size(ds_config), parallel.sequence_size(ds_config)
@@ -198,7 +198,9 @@ class DeepSpeedEngine(Engine):
         state = dict(client_state)
         if getattr(self.engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
             state[UNIVERSAL_CHECKPOINT_INFO] = {}
-        if writer is None:
+        # Outside the verified versions DeepSpeed writes its files itself: a synchronous save,
+        # which the seal hashes and fsyncs as it does any file the writer did not stage.
+        if writer is None or not patches.verified("staged_checkpoint_engine"):
             self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
             return
         # --async-save: DeepSpeed's own save, each file it writes through its checkpoint engine

@@ -60,46 +60,68 @@ class LoopConfig:
 
 @dataclass
 class LiveCeiling:
-    """What MFU divides by: the matmul peak of all ranks together. A step that beats it shows
-    the ceiling is wrong: measured in a slow spell of a shared host, or not describing the path
-    the model's products take. `reprobe` (measured ceilings only) then measures again, all ranks
-    at once, and the higher figure stands; a step that still beats it (or a given ceiling) is
-    itself the best rate seen, and becomes the ceiling, so a logged MFU is never above 100%."""
+    """What MFU divides by: the matmul peak of all ranks together, fixed unless measured again.
+    A step that beats it shows something is wrong: a ceiling measured in a slow spell of a
+    shared host, or a FLOP count per token above what the model does. `reprobe` (measured
+    ceilings only) then measures again, all ranks at once, and the higher figure stands. A step
+    that still beats it (or beats a given ceiling) never raises it: its own rate is what is in
+    doubt, so it warns once, naming the FLOP count per token, and that row's MFU reads above
+    100%."""
 
     peak_flops: float
     reprobe: Callable[[], float] | None = None
     ranks: int = 1  # for the note's per-rank figures
+    flops_per_token: float = 0.0  # named in the warning: the figure a step above the peak doubts
+    warned: bool = False
 
     def check(self, flops_per_s: float, logger, step: int, timer) -> None:
-        """Raise the ceiling when `flops_per_s` beat it. All ranks call with the same figure
-        (an all-reduced one): the probe is collective."""
-        if flops_per_s <= self.peak_flops:
+        """Measure the ceiling again when `flops_per_s` beat it, and warn (once) when it still
+        does. All ranks call with the same figure (an all-reduced one): the probe is
+        collective."""
+        if flops_per_s <= self.peak_flops or self.warned:
             return
-        before, fresh = self.peak_flops, None
+        before = self.peak_flops
         if self.reprobe is not None:
             with timer.paused():
                 fresh = self.reprobe()
-        self.peak_flops = max(before, fresh or 0.0, flops_per_s)
-
-        def per_rank(flops: float) -> str:
-            return f"{flops / self.ranks / 1e9:,.0f}"
-
-        note = (
-            f"step {step} ran faster than the matmul ceiling ({per_rank(before)} GFLOP/s per rank)"
+            if fresh > before:
+                self.peak_flops = fresh
+                logger.log(
+                    {
+                        "kind": "ceiling",
+                        "when": "raised",
+                        "step": step,
+                        "per_rank_flops": fresh / self.ranks,
+                        "note": f"step {step} ran faster than the matmul ceiling "
+                        f"({self._per_rank(before)} GFLOP/s per rank), which was measured in a "
+                        f"slow spell of the host; measured again: MFU from here on is against "
+                        f"{self._per_rank(fresh)}",
+                    }
+                )
+        if flops_per_s <= self.peak_flops:
+            return
+        self.warned = True
+        warning = (
+            f"WARNING: step {step} ran at {self._per_rank(flops_per_s)} GFLOP/s per rank, above "
+            f"the matmul ceiling ({self._per_rank(self.peak_flops)}): the FLOP count per token "
+            f"it used ({self.flops_per_token:,.0f}) is more than the model does, or the ceiling "
+            "does not describe the path its products take; MFU reads above 100% in such rows"
         )
-        if fresh is not None:
-            note += f", which was measured in a slow spell of the host; measured again: {per_rank(fresh)}"
-        if self.peak_flops == flops_per_s:
-            note += "; the step's own rate is the best seen and stands as the ceiling"
         logger.log(
             {
                 "kind": "ceiling",
-                "when": "raised",
+                "when": "beaten",
                 "step": step,
                 "per_rank_flops": self.peak_flops / self.ranks,
-                "note": f"{note}; MFU from here on is against {per_rank(self.peak_flops)}",
+                "step_per_rank_flops": flops_per_s / self.ranks,
+                "flops_per_token": self.flops_per_token,
+                "warning": warning,
+                "note": warning,
             }
         )
+
+    def _per_rank(self, flops: float) -> str:
+        return f"{flops / self.ranks / 1e9:,.0f}"
 
 
 @dataclass(frozen=True)

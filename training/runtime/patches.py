@@ -1,8 +1,10 @@
 """Every place zerostack reaches into DeepSpeed's or torch's internals, with the versions it was
-verified against (tests/test_patches.py runs each stock path against the patched one). Outside
-its range a patch is not applied: the run takes the library's stock path, and says so in one
-line at start (preflight) and in resolved_config.json. Widen a range only after those tests pass
-on the new version."""
+verified against and the test that verifies it (`tested`): where the stock path runs at all,
+the test runs it against the patched one (shm_route, staged_checkpoint_engine); where the stock
+path fails or loses state (the rest), the test runs the patched path and checks what the stock
+one would get wrong. Outside its range a patch is not applied: the run takes the library's stock
+path, and says so in one line at start (preflight) and in resolved_config.json. Widen a range
+only after its test passes on the new version."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ class Patch:
     low: str  # verified from this release ...
     high: str  # ... to this one, both included (local tags such as +cpu ignored)
     what: str  # what it replaces, and the stock path taken outside the range
+    tested: str  # the test (file::function) that verifies it, and how
 
 
 PATCHES: dict[str, Patch] = {
@@ -26,6 +29,8 @@ PATCHES: dict[str, Patch] = {
         "0.19.8",
         "runtime/shm.py replaces cdb.all_reduce / all_gather_into_tensor / reduce_scatter_tensor "
         "and deepspeed.runtime.zero.stage3.reduce_scatter_coalesced; stock: gloo",
+        "tests/test_patches.py::test_stock_and_patched_paths_train_alike_on_four_ranks: stock "
+        "against patched, ZeRO-3 on 4 ranks",
     ),
     "optimizer_step_stand_down": Patch(
         "deepspeed",
@@ -33,6 +38,8 @@ PATCHES: dict[str, Patch] = {
         "0.19.8",
         "engines/ds.py stands the torch optimizer's step down when a ZeRO-0 fp32 step's gradients "
         "are not finite; stock: DeepSpeed steps, and the loss says the rest",
+        "tests/test_reliability.py::test_a_skipped_step_leaves_weights_and_optimizer_untouched: "
+        "patched only (fp32_zero0: the weights and moments stay as they were)",
     ),
     "swapped_optimizer_restore": Patch(
         "deepspeed",
@@ -40,6 +47,8 @@ PATCHES: dict[str, Patch] = {
         "0.19.8",
         "engines/ds.py rebuilds ZeRO-3 NVMe-swapped optimizer state that load_checkpoint skips "
         "(when the skip is there); stock: DeepSpeed's load, Adam's state restarts",
+        "tests/test_nvme.py::test_nvme_checkpoint_resumes_exactly_under_nvme: patched only (the "
+        "resume matches the uninterrupted run; stock restarts Adam)",
     ),
     "ulysses_mpu_shim": Patch(
         "deepspeed",
@@ -47,6 +56,8 @@ PATCHES: dict[str, Patch] = {
         "0.19.8",
         "engines/ds.py gives Ulysses's mpu a tensor-parallel size of 1 during a load; stock: "
         "DeepSpeed's loader stops on the missing method",
+        "tests/test_parallel_checkpoints.py::test_sp2_resumes_from_tp2_and_on_plain_data_parallel: "
+        "patched only (stock stops)",
     ),
     "fsdp2_held_grads": Patch(
         "torch",
@@ -54,6 +65,18 @@ PATCHES: dict[str, Patch] = {
         "2.13.0",
         "engines/fsdp.py reads FSDP2's private accumulated gradients to count them; stock: "
         "the held gradients are not counted in the model-state bytes",
+        "tests/test_mfu.py::test_fsdp_hold_across_micro_steps_trains_alike: patched only (the "
+        "held whole gradients are counted: twice the sharded run's)",
+    ),
+    "staged_checkpoint_engine": Patch(
+        "deepspeed",
+        "0.19.8",
+        "0.19.8",
+        "engines/ds.py swaps engine.checkpoint_engine, for one --async-save, for one that stages "
+        "each file into the background writer; stock: DeepSpeed writes each file itself during "
+        "the save (synchronous; the seal hashes the files)",
+        "tests/test_patches.py::test_staged_checkpoint_engine_writes_what_deepspeeds_writes: "
+        "stock against patched, and every method DeepSpeed's engine calls on it",
     ),
 }
 

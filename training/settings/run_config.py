@@ -454,8 +454,8 @@ class HostConfig:
     grad_sum: Literal["auto", "off"] = setting(
         "auto",
         "ZeRO-1/2: sum gradients across ranks over a loss divided by the world, instead of "
-        "DeepSpeed dividing every reduce bucket (the same gradients). auto: on a CPU, not fp16, "
-        "TP/SP or a config naming gradient_allreduce_op",
+        "DeepSpeed dividing every reduce bucket (the same gradients). auto: on a CPU, at most 2 "
+        "ranks, not fp16, TP/SP or a config naming gradient_allreduce_op",
     )
     shm_collectives: Literal["auto", "off"] = setting(
         "auto",
