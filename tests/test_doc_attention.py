@@ -5,10 +5,12 @@ grows with the window's length, not its square."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,8 +178,7 @@ PEAK = """
 import json, re, sys, torch
 import models.llama as llama
 from models.documents import document_positions
-sys.path.insert(0, "tests")
-from test_doc_attention import packed
+from test_doc_attention import packed  # the tests folder is on PYTHONPATH (peak_bytes)
 torch.set_num_threads(1)
 kernel, seq = sys.argv[1], int(sys.argv[2])
 layer = llama.Attention(llama.ZeroStackConfig(hidden_size=256, num_attention_heads=4,
@@ -204,8 +205,10 @@ print(json.dumps((peak_kib() - before) * 1024))
 def peak_bytes(kernel: str, seq: int) -> int:
     """How far one attention forward and backward at `seq` raises a fresh process's peak RSS
     (Linux: the peak is reset through /proc/self/clear_refs before it)."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(PEAK), kernel, str(seq)],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": path})  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
