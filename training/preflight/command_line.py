@@ -18,7 +18,7 @@ def check_flags(config: RunConfig) -> None:
     """Flags with impossible values: every number in its domain and finite; the switches that
     need a backend or a package."""
     values = flat(config)
-    for s in settings():  # each number's domain is declared with its setting (config.py)
+    for s in settings():  # each number's domain is declared with its setting (run_config.py)
         low, high, need = s.range
         value = values[s.dest]
         if value is None or not need:

@@ -1,5 +1,5 @@
 """The command line of training/train.py, generated from the run's configuration tree
-(config.py): a flag per setting, grouped in --help as a user reads them (data, model,
+(run_config.py): a flag per setting, grouped in --help as a user reads them (data, model,
 optimization, checkpoints, parallelism and engines, evaluation and follow-up jobs, logging, host
 tuning), every one with its help and its default.
 

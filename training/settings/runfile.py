@@ -1,5 +1,5 @@
 """A run kept in a file: `--config run.yaml` holds any subset of the settings, nested as the
-tree of config.py (`optim: {lr: 3.0e-4}`), and flags on the command line override it. YAML,
+tree of run_config.py (`optim: {lr: 3.0e-4}`), and flags on the command line override it. YAML,
 because it is what the field's recipes are written in (axolotl, litgpt, TRL's and the HF
 alignment recipes) and JSON is YAML too: `RUN/resolved_config.json` (its `config`) and
 `RUN/run.yaml`, both written by every run, replay that run when passed back.
@@ -66,7 +66,7 @@ def _flatten(tree: dict, path: str) -> dict:
 
 
 def dump(tree: dict, path: Path) -> None:
-    """A run file of `tree` (config.py: nested), which replays the run it came from."""
+    """A run file of `tree` (run_config.py: nested), which replays the run it came from."""
     path.write_text(yaml.safe_dump(tree, sort_keys=False, width=100))
 
 

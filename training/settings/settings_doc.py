@@ -1,6 +1,6 @@
-"""docs/settings.md's reference of every setting, generated from the tree (config.py): a table
-per --help group with each flag, its other spellings, its key in a run file, its default and
-what it does. `python -m training.settings.settings_doc` rewrites the part of docs/settings.md
+"""docs/settings.md's reference of every setting, generated from the tree (run_config.py): a
+table per --help group with each flag, its other spellings, its key in a run file, its default
+and what it does. `python -m training.settings.settings_doc` rewrites the part of docs/settings.md
 between the markers; tests/test_run_config.py fails when the doc and the tree differ."""
 
 from __future__ import annotations
