@@ -122,18 +122,28 @@ def document_attention_mask(docs: torch.Tensor, positions: torch.Tensor, kernel:
     `document_positions`' documents and positions (batch, seq): a BlockMask, DocumentStarts
     or a dense boolean."""
     if kernel == "flex":
+        compiled_flex()  # before the blocks run (see _FLEX)
         return document_block_mask(docs)
     if kernel == "explicit":
         return document_mask(docs)
     return DocumentStarts(positions == 0)
 
 
-# Uncompiled, flex_attention is a reference that builds every score. Compiled on first call, once
-# a process; a module global so that compiled blocks inline it.
-_FLEX = torch.compile(flex_attention, dynamic=False)
+# Uncompiled, flex_attention is a reference that builds every score. Compiled once a process, on
+# the first block mask (built in the model's forward, before any block runs): a module global so
+# that compiled blocks inline it, and not at import, which would cost every process that never
+# packs (torch.compile loads Inductor).
+_FLEX = None
+
+
+def compiled_flex():
+    global _FLEX
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
 
 
 def flex_document_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
     """FlexAttention of q (b, heads, t, d) over k, v (b, kv_heads, t, d) under `block_mask`.
     Backward needs a GPU: torch's FlexAttention has none on CPUs."""
-    return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    return compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
