@@ -76,7 +76,8 @@ def _scheduler(tmp_path: Path) -> dict:
 
 def test_two_host_job_matches_one_host_and_resumes_on_one(tiny_data, tmp_path):
     """The SLURM batch script on a 2-node allocation: it writes the hostfile and runs
-    launch/hostfile.sh, which runs `deepspeed --hostfile` (pdsh, ssh) from node1."""
+    launch/hostfile.sh, which runs `deepspeed --hostfile` (pdsh, ssh) from node1. About 70 s:
+    the one test of the real multi-host path, so it also resumes on one host in the same run."""
     run = tmp_path / "two_hosts"
     with TwoHosts(workdir=tmp_path / "hosts") as hosts:
         sshd = sorted(hosts.sshd_pids())

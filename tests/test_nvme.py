@@ -72,7 +72,9 @@ def _config(tmp, name: str) -> str:
 @pytest.fixture(scope="module")
 def nvme_runs(tiny_data, tmp_path_factory):
     """The wide model, 4 steps saving at 2 and 4, under zero3_nvme (swap folder: the default
-    RUN/nvme_swap) and zero3_offload (the same CPU Adam, states in memory)."""
+    RUN/nvme_swap) and zero3_offload (the same CPU Adam, states in memory). About 3 minutes the
+    first time on 2 cores, most of it DeepSpeed building its async_io op (cached after that in
+    the torch extensions folder); shared by every test of this module."""
     if why := _aio_missing():
         pytest.skip(why)
     base = tmp_path_factory.mktemp("nvme")
