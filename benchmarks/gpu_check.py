@@ -112,7 +112,11 @@ def run_figures(run_dir: Path) -> dict:
     if not train:
         return {}
     timed = train[WARMUP_STEPS:] or train
+    record = run_dir / "resolved_config.json"
+    # which attention kernel ran (for SDPA, which of flash / efficient / cuDNN / math)
+    attention = json.loads(record.read_text()).get("attention") if record.is_file() else None
     return {
+        "attention": attention,
         "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in timed), 1),
         "mfu": round(statistics.median(r["mfu"] for r in timed), 4),
         "peak_mem_gb": round(max(r["peak_mem_gb"] for r in train), 2),

@@ -223,6 +223,31 @@ def pick_attention_kernel(choice: str, device_type: str, seq_len: int, masked: b
     return "explicit" if seq_len <= EXPLICIT_UP_TO else "sdpa"
 
 
+def sdpa_backend(
+    config, device: torch.device, dtype: torch.dtype, seq_len: int
+) -> str | None:
+    """Which of SDPA's kernels a causal training step of `config` at `seq_len` takes on `device`
+    in `dtype` ("flash_attention", "efficient_attention", "cudnn_attention" or "math"), as torch's
+    own dispatcher decides it: the name the run reports for `--attention sdpa`. None where torch
+    cannot say (no dispatcher query in this build)."""
+    from torch.nn.attention import SDPBackend
+
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return None
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    q = torch.empty((1, heads, seq_len, head_dim), device=device, dtype=dtype, requires_grad=True)
+    kv = torch.empty((1, kv_heads, seq_len, head_dim), device=device, dtype=dtype)
+    kv.requires_grad_(True)
+    try:
+        choice = choose(q, kv, kv, None, 0.0, True, enable_gqa=kv_heads != heads)
+    except (RuntimeError, TypeError):  # a device or dtype its dispatcher does not take
+        return None
+    return SDPBackend(choice).name.lower()
+
+
 def set_attention_kernel(model: nn.Module, kernel: str) -> int:
     """Make every attention layer of `model` (ours, plain or pipelined) use `kernel`; returns how many."""
     if kernel not in ATTENTION_KERNELS:

@@ -441,3 +441,21 @@ def test_explicit_attention_kernel_matches_sdpa(kv_heads):
     assert abs(loss16["sdpa"] - loss16["explicit"]) < 2e-2 * loss16["sdpa"], loss16
     with pytest.raises(ValueError, match="choose one of"):
         set_attention_kernel(model, "ring")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reported_sdpa_kernel_is_the_one_that_runs(dtype):
+    """The run names SDPA's kernel (the banner and resolved_config.json's `attention`): the name
+    must be the kernel torch's profiler sees a training forward and backward run."""
+    from models import sdpa_backend, set_attention_kernel
+
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=64).to(dtype)
+    set_attention_kernel(model, "sdpa")
+    named = sdpa_backend(model.config, torch.device("cpu"), dtype, 32)
+    assert named is not None
+    ids = torch.randint(0, 64, (2, 32))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(input_ids=ids, labels=ids).loss.backward()
+    ran = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key}
+    assert any(named in key for key in ran), (named, ran)

@@ -52,6 +52,7 @@ def run_record(
         "trainable_params": facts.get("trainable_params"),
         "flops_per_token": facts["flops_per_token"],
         "compiled": facts.get("compiled"),  # --compile: what torch.compile compiled
+        "attention": facts.get("attention"),  # the kernel; for SDPA, which of its kernels runs
         "data": data_record(prepared.config.data.path, prepared.manifest),
         "world": dist.world,
         # world = data x tensor x sequence x pipeline (settings/parallel.py)
@@ -179,6 +180,11 @@ def banner(record: dict, batch: tuple[int, int, int, int]) -> str:
         f"{_precision(record)} | world {record['world']} ({comm}) | model {flags['model']} "
         f"{record['n_params'] / 1e6:.2f}M params | batch {micro}x{accum}x{dp}x{seq} tokens"
     )
+    attention = record.get("attention") or {}
+    if attention.get("kernel"):
+        line += f" | attention {attention['kernel']}" + (
+            f" ({attention['sdpa']})" if attention.get("sdpa") else ""
+        )
     if record["pipeline"]:
         line += f" | pipeline {record['pipeline']['stages']} stages x {dp} data-parallel"
     elif max(record["parallel"]["tensor"], record["parallel"]["sequence"]) > 1:

@@ -29,6 +29,7 @@ from models import (
     ModelError,
     compile_blocks,
     flops_per_token,
+    sdpa_backend,
     set_attention_kernel,
     set_document_mask,
 )
@@ -208,6 +209,15 @@ def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engi
         "flops_per_token": flops_per_token(model.config, config.data.seq_len, n_params=n_params),
         "model_config": model.config,
         "compiled": compiled,  # "6 x Block": what torch.compile compiles (--compile)
+        # the kernel, and for SDPA which of its kernels torch's dispatcher takes on this device
+        "attention": {
+            "kernel": attention,
+            "sdpa": sdpa_backend(
+                model.config, dist.device, DTYPES[prepared.precision], config.data.seq_len
+            )
+            if attention == "sdpa"
+            else None,
+        },
         "trainable_params": sum(
             getattr(w, "ds_numel", w.numel()) for w in model.parameters() if w.requires_grad
         ),

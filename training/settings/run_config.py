@@ -87,7 +87,9 @@ class ModelConfig:
         "use; needs a C++ compiler and AMX); or flex: FlexAttention's block mask for "
         "--doc-mask windows (GPUs only). auto, on a CPU: amx where the host runs it and "
         "--seq-len is a multiple of 64, else explicit up to --seq-len 512, then sdpa; with "
-        "--doc-mask, sdpa (per document); on GPUs sdpa, flex with --doc-mask",
+        "--doc-mask, sdpa (per document); on GPUs sdpa, flex with --doc-mask. For sdpa the run "
+        "names the kernel torch's dispatcher takes on its device (flash, memory-efficient, cuDNN "
+        "or math) in its banner and resolved_config.json",
     )
     activation_checkpointing: bool = setting(
         False,
