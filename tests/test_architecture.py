@@ -424,6 +424,7 @@ PLUMBING_VARS = {
 # Reads whose key is computed, each for a reason: (module, why).
 COMPUTED_ENV_READS = {
     "training.runtime.safe_load": "saves and restores torch's two weights-only switches",
+    "training.runtime.nccl_env": "records the NCCL library variables a run starts with",
 }
 
 

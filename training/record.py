@@ -18,7 +18,7 @@ import transformers
 from data import BatchLoader
 from data.mixture import parse_spec
 from models.hub import resolve_pretrained
-from training.runtime import cluster, patches
+from training.runtime import cluster, nccl_env, patches
 from training.runtime.shm import routed_dtypes as shm_routed_dtypes
 from training.settings import ds_config, parallel, runfile
 from training.settings.run_config import flat, nested
@@ -69,6 +69,8 @@ def run_record(
         },
         **({"accelerate": accelerate_state} if accelerate_state else {}),
         "backend": dist.backend,
+        # on NCCL: error handling, error propagation and the flight recorder (runtime/nccl_env.py)
+        "nccl_env": nccl_env.in_effect(dist.backend),
         # every behaviour switch as preflight resolved it, and why (training/preflight/switches.py)
         "switches": prepared.switches.as_record(),
         # how many ranks run on this host, and which launcher said so (preflight/hosts.py)

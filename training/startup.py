@@ -14,7 +14,7 @@ from training.checkpoints import layout, universal_copy
 from training.checkpoints.resume_plan import ResumePlan, verify_resume
 from training.errors import BAD_INPUT, CheckpointError, ConfigError
 from training.preflight import Prepared, probe_dtypes, rank0_printer, settle_precision
-from training.runtime import cluster, distributed, runlock
+from training.runtime import cluster, distributed, nccl_env, runlock
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, model_shapes, probe_ranks
 from training.runtime.shm import shared_memory_collectives
@@ -39,6 +39,7 @@ def start(config: RunConfig, prepared: Prepared, run_dir: Path) -> Started:
     checkpoint with --resume auto); DeepSpeed's comm layer; the universal copy, if needed."""
     switches = prepared.switches
     here = prepared.host.ranks_here if prepared.host else None  # preflight/hosts.py
+    nccl_env.apply(distributed.accelerator().communication_backend_name(), run_dir)
     dist = distributed.setup(
         timeout_s=config.engine.dist_timeout,
         local_rank_arg=config.engine.local_rank,
