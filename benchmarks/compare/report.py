@@ -255,18 +255,34 @@ def _label(name: str) -> str:
 
 
 def write_section(rows: list[dict], a, path: Path) -> str:
-    """The speed table as a section of `path` (SECTION, replaced when there, else appended):
-    tokens/s, the ratios, and MFU against the ceiling each run measured for itself."""
+    """The speed table as a section of `path` (SECTION, replaced when there, else appended)."""
+    job = {k: getattr(a, k) for k in ("model", "layers", "seq_len", "micro_batch", "grad_accum")}
+    job |= {k: getattr(a, k) for k in ("ranks", "steps", "repeats")}
+    cmd = " ".join(["python -m benchmarks.compare", *getattr(a, "argv", [])])
+    body = section_body(rows, cmd, machine(), time.strftime("%Y-%m-%d"), job)
+    section = "\n".join([SECTION, "", *body]) + "\n"
+    text = path.read_text() if path.is_file() else ""
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
+    path.write_text(text)
+    return section
+
+
+def section_body(rows: list[dict], cmd: str, machine: str, date: str, job: dict) -> list[str]:
+    """The speed table's lines from a run's rows (live, or a raw JSON's `rows`): tokens/s, the
+    ratios against the floors, and MFU against the ceiling each run measured for itself."""
     by = {r["name"]: r for r in rows}
     ddp = by.get("ddp", {}).get("tokens_per_s")
-    cmd = " ".join(["python -m benchmarks.compare", *getattr(a, "argv", [])])
     lines = [
-        SECTION,
-        "",
-        f"`{cmd}` on {machine()}, {time.strftime('%Y-%m-%d')}: model `{a.model}`"
-        + (f" with {a.layers} layers" if a.layers else "")
-        + f", sequence {a.seq_len}, micro-batch {a.micro_batch} x {a.grad_accum} accumulation "
-        f"x {a.ranks} ranks x 1 thread, bf16, {a.steps} steps, {a.repeats} rounds run "
+        f"`{cmd}` on {machine}, {date}: model `{job['model']}`"
+        + (f" with {job['layers']} layers" if job.get("layers") else "")
+        + f", sequence {job['seq_len']}, micro-batch {job['micro_batch']} x "
+        f"{job['grad_accum']} accumulation x {job['ranks']} ranks x 1 thread, bf16, "
+        f"{job['steps']} steps, {job['repeats']} rounds run "
         "round-robin. Tokens/s: the median of the rounds' medians over the steps after warm-up "
         "(the rounds' spread beside it). MFU is "
         "against the bf16 matmul ceiling each run measured for itself at its start, on all "
@@ -297,16 +313,7 @@ def write_section(rows: list[dict], a, path: Path) -> str:
                 + (f"; rounds {each}" if each else "")
                 + f"): {verdict}"
             )
-    section = "\n".join(lines) + "\n"
-    text = path.read_text() if path.is_file() else ""
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
-    path.write_text(text)
-    return section
+    return lines
 
 
 def plot_memory(rows: list[dict], path: Path) -> None:
