@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.result_tables import (
+    attention_kernels,
+    bench_train,
     checkpoint_gpu,
     checkpoint_quiet,
     checkpoint_shared,
@@ -99,7 +101,9 @@ SECTIONS = [
     Section("checkpoint_shared", "docs/checkpoints.md", checkpoint_shared),
     Section("checkpoint_quiet", "docs/checkpoints.md", checkpoint_quiet),
     Section("checkpoint_gpu", "docs/checkpoints.md", checkpoint_gpu),
+    Section("attention_kernels", "docs/bench_attention.md", attention_kernels),
     Section("doc_mask", "docs/bench_attention.md", doc_mask),
+    Section("bench_train", "docs/bench_train.md", bench_train),
     Section("scale", "docs/scale.md", _scale, *_scale_markers(), ignore=_code_age),
     Section(
         "settings",
@@ -119,10 +123,10 @@ def rewrite(text: str, section: Section, body: str) -> str:
     return head + section.begin + body + section.finish + rest.split(section.finish, 1)[1]
 
 
-def render_all(root: Path, results: Path) -> dict[str, str]:
-    """Every doc that holds a generated section, as the renderer would write it."""
+def render_all(root: Path, results: Path, sections: list[Section] = SECTIONS) -> dict[str, str]:
+    """Every doc that holds one of `sections`, as the renderer would write it."""
     out: dict[str, str] = {}
-    for s in SECTIONS:
+    for s in sections:
         text = out.get(s.doc) or (root / s.doc).read_text()
         body = s.body(results)
         out[s.doc] = rewrite(text, s, body if body.startswith("\n") else f"\n{body}\n")
@@ -161,11 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             print(f"error: table {n} differs from what python -m benchmarks.docs_tables writes")
         return 1 if names else 0
-    for doc, text in render_all(a.root, a.results).items():
-        (a.root / doc).write_text(text)
-        print(f"wrote {doc}", file=sys.stderr)
-    _redraw_scale_plot(a.root, a.results)
+    write(a.root, a.results)
     return 0
+
+
+def write(root: Path = REPO, results: Path = RESULTS, names: list[str] | None = None) -> None:
+    """Rewrite the docs holding the sections named (default: every one) from `results`."""
+    chosen = [s for s in SECTIONS if names is None or s.name in names]
+    docs = render_all(root, results, chosen)
+    for doc, text in docs.items():
+        (root / doc).write_text(text)
+        print(f"wrote {doc}", file=sys.stderr)
+    if any(s.name == "scale" for s in chosen):
+        _redraw_scale_plot(root, results)
 
 
 def _redraw_scale_plot(root: Path, results: Path) -> None:

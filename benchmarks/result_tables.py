@@ -390,3 +390,103 @@ def doc_mask(results: Path) -> str:
         "host, date",
     ]
     return table(head, rows, {0, 1, 2, 4, 5})
+
+
+# tables of benchmarks whose raw files may not be committed yet
+
+
+def not_yet(command: str, file: str) -> str:
+    return (
+        f"No raw result committed yet: `{command}` writes `{file}` under the results folder "
+        "and draws this table from it."
+    )
+
+
+def bench_train(results: Path) -> str:
+    """One table per committed `bench_train_MODEL.json`: each ds_config on 2 ranks against the
+    plain loops of the same model (the first row the yardstick)."""
+    files = sorted(results.glob("bench_train_*.json"))
+    if not files:
+        return not_yet("python benchmarks/bench_train.py", "bench_train_MODEL.json")
+    return "\n\n".join(_bench_train(json.loads(f.read_text())) for f in files)
+
+
+def _bench_train(d: dict) -> str:
+    a, rows = d["args"], d["rows"]
+    ref = rows[0].get("tokens_per_s")
+    extra = f" Extra trainer flags: `{' '.join(a['extra'])}`." if a.get("extra") else ""
+    intro = (
+        f"`python benchmarks/bench_train.py --model {a['model']} --steps {a['steps']}`: sequence "
+        f"{a['seq_len']}, {a['micro_batch'] * a['ranks'] * a['seq_len']:,} tokens a step, "
+        f"DeepSpeed rows on {a['ranks']} ranks of one thread.{extra}"
+    )
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append([r["name"], f"failed: {r['error']}", "", "", "", "", "", where(d)])
+            continue
+        lines.append(
+            [
+                r["name"],
+                n0(r["tokens_per_s"]),
+                f"{r['tokens_per_s'] / ref:.2f}x",
+                f"{r['mfu']:.1%}",
+                n0(r["ceiling"] / 1e9),
+                f"{r['peak_mem_gb']:.2f}",
+                f"{r['loss']:.3f}",
+                where(d),
+            ]
+        )
+    head = [
+        "run",
+        "tokens/s",
+        "vs plain loop",
+        "MFU",
+        "against (GFLOP/s)",
+        "peak memory / rank (GB)",
+        "final loss",
+        "host, date",
+    ]
+    return intro + "\n\n" + table(head, lines, {1, 2, 3, 4, 5, 6})
+
+
+def attention_kernels(results: Path) -> str:
+    path = results / "attention_kernels.json"
+    if not path.is_file():
+        return not_yet("python benchmarks/bench_attention.py", "attention_kernels.json")
+    d = json.loads(path.read_text())
+    a = d["args"]
+    sdpa = {
+        r["seq"]: r["forward_ms"] + r["backward_ms"] for r in d["rows"] if r["kernel"] == "sdpa"
+    }
+    rows = [
+        [
+            str(r["seq"]),
+            str(r["batch"]),
+            r["kernel"],
+            f"{r['forward_ms']:.1f}",
+            f"{r['backward_ms']:.1f}",
+            f"{r['forward_ms'] + r['backward_ms']:.1f}",
+            f"{sdpa[r['seq']] / (r['forward_ms'] + r['backward_ms']):.2f}x",
+            n0(r["gflops"]),
+            where(d),
+        ]
+        for r in d["rows"]
+    ]
+    intro = (
+        f"One thread, torch {d['torch']}: {a['heads']} query heads and {a['kv_heads']} kv heads "
+        f"of {a['head_dim']}, {a['tokens']} tokens a batch, bf16, the median of {a['rounds']} "
+        f"rounds; this run's bf16 matmul ceiling (2048^3): {n0(d['ceiling_gflops'])} GFLOP/s."
+    )
+    head = [
+        "sequence",
+        "batch",
+        "kernel",
+        "forward (ms)",
+        "backward (ms)",
+        "total (ms)",
+        "vs SDPA",
+        "GFLOP/s",
+        "host, date",
+    ]
+    return intro + "\n\n" + table(head, rows, {0, 1, 3, 4, 5, 6, 7})

@@ -58,13 +58,75 @@ PLANTS = {
 }
 
 
+# Tables whose benchmark has not committed a raw file yet: a raw file added makes them stale.
+ADDED = {
+    "bench_train": (
+        "bench_train_small.json",
+        {
+            "date": "2026-11-26T10:00:00Z",
+            "host": {"class": "a test host", "cores": 2},
+            "args": {"model": "small", "steps": 30, "seq_len": 256, "micro_batch": 8, "ranks": 2},
+            "rows": [
+                {
+                    "name": "plain",
+                    "tokens_per_s": 1000.0,
+                    "mfu": 0.5,
+                    "ceiling": 2e11,
+                    "peak_mem_gb": 1.0,
+                    "loss": 6.5,
+                },
+                {
+                    "name": "zero2",
+                    "tokens_per_s": 1234.0,
+                    "mfu": 0.6,
+                    "ceiling": 2e11,
+                    "peak_mem_gb": 1.1,
+                    "loss": 6.4,
+                },
+            ],
+        },
+    ),
+    "attention_kernels": (
+        "attention_kernels.json",
+        {
+            "date": "2026-11-26T10:00:00Z",
+            "host": "a test host",
+            "torch": "2.13.0",
+            "args": {"heads": 12, "kv_heads": 12, "head_dim": 64, "tokens": 2048, "rounds": 7},
+            "ceiling_gflops": 200.0,
+            "rows": [
+                {
+                    "seq": 256,
+                    "batch": 8,
+                    "kernel": "sdpa",
+                    "forward_ms": 7.4,
+                    "backward_ms": 41.4,
+                    "gflops": 49.0,
+                },
+                {
+                    "seq": 256,
+                    "batch": 8,
+                    "kernel": "explicit",
+                    "forward_ms": 23.1,
+                    "backward_ms": 25.6,
+                    "gflops": 50.0,
+                },
+            ],
+        },
+    ),
+}
+
+
 def planted(tmp_path, name: str):
     """A copy of the results folder with `name`'s planted change."""
     results = tmp_path / "results"
     shutil.copytree(RESULTS, results)
-    file, edit = PLANTS[name]
-    d = json.loads((results / file).read_text())
-    edit(d)
+    if name in ADDED:
+        file, d = ADDED[name]
+    else:
+        file, edit = PLANTS[name]
+        d = json.loads((results / file).read_text())
+        edit(d)
     (results / file).write_text(json.dumps(d))
     return results
 
@@ -76,14 +138,22 @@ def test_the_committed_docs_are_what_the_renderer_writes():
 
 def test_every_table_from_a_raw_file_has_a_planted_change():
     from_results = {s.name for s in SECTIONS} - {"settings"}
-    assert set(PLANTS) == from_results
+    assert set(PLANTS) | set(ADDED) == from_results
 
 
-@pytest.mark.parametrize("name", sorted(PLANTS))
+@pytest.mark.parametrize("name", sorted({*PLANTS, *ADDED}))
 def test_a_number_changed_in_a_raw_file_shows_in_its_table(tmp_path, name):
     section = next(s for s in SECTIONS if s.name == name)
     results = planted(tmp_path, name)
     assert section.ignore(section.body(results)) != section.ignore(section.body(RESULTS))
+
+
+@pytest.mark.parametrize("name", sorted(ADDED))
+def test_a_raw_file_added_fills_its_table(tmp_path, name):
+    section = next(s for s in SECTIONS if s.name == name)
+    body = section.body(planted(tmp_path, name))
+    assert "No raw result committed yet" not in body
+    assert "| a test host, 2026-11-26 |" in body and ("1,234" in body or "23.1" in body)
 
 
 def test_the_check_fails_naming_the_stale_table(tmp_path, capsys):
