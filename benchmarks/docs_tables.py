@@ -33,6 +33,7 @@ from benchmarks.result_tables import (
     matmul_by_host,
     precision_by_host,
     quickstart_cpu,
+    soak,
     trl_sft,
 )
 
@@ -104,6 +105,7 @@ SECTIONS = [
     Section("attention_kernels", "docs/bench_attention.md", attention_kernels),
     Section("doc_mask", "docs/bench_attention.md", doc_mask),
     Section("bench_train", "docs/bench_train.md", bench_train),
+    Section("soak", "docs/reliability.md", soak),
     Section("scale", "docs/scale.md", _scale, *_scale_markers(), ignore=_code_age),
     Section(
         "settings",

@@ -490,3 +490,16 @@ def attention_kernels(results: Path) -> str:
         "host, date",
     ]
     return intro + "\n\n" + table(head, rows, {0, 1, 3, 4, 5, 6, 7})
+
+
+def soak(results: Path) -> str:
+    """RSS, open files, threads and /dev/shm at the start and the end of a long run."""
+    from types import SimpleNamespace
+
+    from benchmarks.soak import table as soak_table
+
+    path = results / "soak.json"
+    if not path.is_file():
+        return not_yet("python -m benchmarks.soak", "soak.json")
+    d = json.loads(path.read_text())
+    return soak_table(d["rows"], SimpleNamespace(**d["args"]), d["warm"], where(d))
