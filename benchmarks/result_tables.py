@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import textwrap
 from pathlib import Path
 
 GiB, MiB = 2**30, 2**20
@@ -496,10 +497,53 @@ def soak(results: Path) -> str:
     """RSS, open files, threads and /dev/shm at the start and the end of a long run."""
     from types import SimpleNamespace
 
-    from benchmarks.soak import table as soak_table
-
     path = results / "soak.json"
     if not path.is_file():
         return not_yet("python -m benchmarks.soak", "soak.json")
     d = json.loads(path.read_text())
     return soak_table(d["rows"], SimpleNamespace(**d["args"]), d["warm"], where(d))
+
+
+def _mib(v: list[float]) -> str:
+    return " / ".join(f"{x / 2**20:.0f}" for x in v)
+
+
+def _ints(v: list[float]) -> str:
+    return " / ".join(f"{x:g}" for x in v)
+
+
+def soak_table(rows: list[dict], a, warm: int, where: str) -> str:
+    """The soak table; `a` holds the run's steps, save_every and eval_every, `where` the host
+    class and day it ran."""
+    about = (
+        f"Measured with `python -m benchmarks.soak --steps {a.steps}` (tiny preset, 2 ranks, "
+        f"sequence 64, save every {a.save_every} steps keeping the last 2, evaluation every "
+        f"{a.eval_every}; {where}). Start: median of the samples over steps "
+        f"{warm}-{warm + max(a.steps // 10, 20)}; end: over the last tenth before the final step. "
+        "Per rank (rank 0 / rank 1)."
+    )
+    lines = [
+        textwrap.fill(about, 100, break_on_hyphens=False),
+        "",
+        "| engine | RSS MiB start -> end | growth | RSS MiB at 25/50/75% | fds start -> end "
+        "| threads | /dev/shm maps | run's /dev/shm files after exit | holds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | {r['error']} | | | | | | | no |")
+            continue
+        s, e = r["start"], r["end"]
+        mid = "; ".join(f"{step}: " + " / ".join(f"{x:.0f}" for x in v) for step, v in r["between"])
+        growth = " / ".join(f"{g:+.1%}" for g in r["rss_growth"])
+        lines.append(
+            f"| {r['engine']} | {_mib(s['rss'])} -> {_mib(e['rss'])} | {growth} | {mid} "
+            f"| {_ints(s['fds'])} -> {_ints(e['fds'])} | {_ints(s['threads'])} -> "
+            f"{_ints(e['threads'])} | {_ints(s['shm_maps'])} -> {_ints(e['shm_maps'])} "
+            f"| {len(r.get('shm_left', []))} | {'yes' if r['ok'] else 'NO: ' + _failed(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def _failed(r: dict) -> str:
+    return ", ".join(k for k, ok in r["checks"].items() if not ok)

@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,51 +195,6 @@ def between(r: Soak, q: float) -> tuple[int, list[float]]:
     return s.step, [v / 2**20 for v in s.rss]
 
 
-def _mib(v: list[float]) -> str:
-    return " / ".join(f"{x / 2**20:.0f}" for x in v)
-
-
-def _ints(v: list[float]) -> str:
-    return " / ".join(f"{x:g}" for x in v)
-
-
-def table(rows: list[dict], a, warm: int, where: str) -> str:
-    """The soak table; `a` holds the run's steps, save_every and eval_every, `where` the host
-    class and day it ran."""
-    about = (
-        f"Measured with `python -m benchmarks.soak --steps {a.steps}` (tiny preset, 2 ranks, "
-        f"sequence 64, save every {a.save_every} steps keeping the last 2, evaluation every "
-        f"{a.eval_every}; {where}). Start: median of the samples over steps "
-        f"{warm}-{warm + max(a.steps // 10, 20)}; end: over the last tenth before the final step. "
-        "Per rank (rank 0 / rank 1)."
-    )
-    lines = [
-        textwrap.fill(about, 100, break_on_hyphens=False),
-        "",
-        "| engine | RSS MiB start -> end | growth | RSS MiB at 25/50/75% | fds start -> end "
-        "| threads | /dev/shm maps | run's /dev/shm files after exit | holds |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['engine']} | {r['error']} | | | | | | | no |")
-            continue
-        s, e = r["start"], r["end"]
-        mid = "; ".join(f"{step}: " + " / ".join(f"{x:.0f}" for x in v) for step, v in r["between"])
-        growth = " / ".join(f"{g:+.1%}" for g in r["rss_growth"])
-        lines.append(
-            f"| {r['engine']} | {_mib(s['rss'])} -> {_mib(e['rss'])} | {growth} | {mid} "
-            f"| {_ints(s['fds'])} -> {_ints(e['fds'])} | {_ints(s['threads'])} -> "
-            f"{_ints(e['threads'])} | {_ints(s['shm_maps'])} -> {_ints(e['shm_maps'])} "
-            f"| {len(r.get('shm_left', []))} | {'yes' if r['ok'] else 'NO: ' + failed(r)} |"
-        )
-    return "\n".join(lines)
-
-
-def failed(r: dict) -> str:
-    return ", ".join(k for k, ok in r["checks"].items() if not ok)
-
-
 def ensure_data(path: Path) -> Path:
     if not (path / "manifest.json").is_file():
         from data import prepare
@@ -287,12 +241,13 @@ def save(rows: list[dict], a, warm: int) -> None:
     only: a --results elsewhere leaves the docs alone)."""
     from benchmarks.host import host_class
     from benchmarks.provenance import code_record, today
+    from benchmarks.result_tables import soak_table
 
     raw = a.results or REPO / "benchmarks" / "results" / "soak.json"
     args = {k: getattr(a, k) for k in ("steps", "save_every", "eval_every", "ranks", "engines")}
     doc = {"date": today(), "host": host_class(), "code": code_record(), "args": args}
     raw.write_text(json.dumps({**doc, "warm": warm, "rows": rows}, indent=1, default=str))
-    print(table(rows, a, warm, f"{doc['host']}, {doc['date']}"))
+    print(soak_table(rows, a, warm, f"{doc['host']}, {doc['date']}"))
     if not a.results:
         from benchmarks import docs_tables
 
