@@ -20,12 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.reliability_tables import checkpoint_gpu, checkpoint_quiet, checkpoint_shared, soak
 from benchmarks.result_tables import (
     attention_kernels,
     bench_train,
-    checkpoint_gpu,
-    checkpoint_quiet,
-    checkpoint_shared,
     compile_cost,
     doc_mask,
     engines_peer,
@@ -33,7 +31,6 @@ from benchmarks.result_tables import (
     matmul_by_host,
     precision_by_host,
     quickstart_cpu,
-    soak,
     trl_sft,
 )
 

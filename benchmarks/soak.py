@@ -241,7 +241,7 @@ def save(rows: list[dict], a, warm: int) -> None:
     only: a --results elsewhere leaves the docs alone)."""
     from benchmarks.host import host_class
     from benchmarks.provenance import code_record, today
-    from benchmarks.result_tables import soak_table
+    from benchmarks.reliability_tables import soak_table
 
     raw = a.results or REPO / "benchmarks" / "results" / "soak.json"
     args = {k: getattr(a, k) for k in ("steps", "save_every", "eval_every", "ranks", "engines")}
