@@ -1,5 +1,6 @@
 """What `python -m benchmarks.compare` writes: comparison.md and its two pictures, the speed
-table as a section of another page (--section), and every round's raw figures as JSON."""
+table's lines for docs/benchmarks.md (drawn by benchmarks/docs_tables.py from the raw JSON), and
+every round's raw figures as JSON."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import time
 from pathlib import Path
 
 from benchmarks.compare.runs import FLOORS, LOOPS, WARMUP_STEPS, floor_ratio
-
-SECTION = "## Engines side by side, against the ceiling measured in the same run"
 
 
 def spread(r: dict) -> str:
@@ -252,24 +251,6 @@ def _label(name: str) -> str:
         "zero2_fp32": "DeepSpeed `zero2`, --precision fp32",
         "zero2_bf16": "DeepSpeed `zero2`, --precision bf16",
     }.get(name, f"DeepSpeed `{name}`")
-
-
-def write_section(rows: list[dict], a, path: Path) -> str:
-    """The speed table as a section of `path` (SECTION, replaced when there, else appended)."""
-    job = {k: getattr(a, k) for k in ("model", "layers", "seq_len", "micro_batch", "grad_accum")}
-    job |= {k: getattr(a, k) for k in ("ranks", "steps", "repeats")}
-    cmd = " ".join(["python -m benchmarks.compare", *getattr(a, "argv", [])])
-    body = section_body(rows, cmd, machine(), time.strftime("%Y-%m-%d"), job)
-    section = "\n".join([SECTION, "", *body]) + "\n"
-    text = path.read_text() if path.is_file() else ""
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
-    path.write_text(text)
-    return section
 
 
 def section_body(rows: list[dict], cmd: str, machine: str, date: str, job: dict) -> list[str]:
