@@ -48,7 +48,8 @@ def engines_peer(results: Path) -> str:
     from benchmarks.compare.report import section_body
 
     d = load(results, "compare_small6.json")
-    return "\n".join(section_body(d["rows"], d["command"], d["machine"], d["date"][:10], d["job"]))
+    body = section_body(d["rows"], d["command"], d["machine"], d["date"][:10], d["job"], where(d))
+    return "\n".join(body)
 
 
 HOST_CLASS = ("compare_zen4.json", "compare_avx2_emulated.json", "compare_avx2_emulated_bf16.json")

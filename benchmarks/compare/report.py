@@ -253,7 +253,9 @@ def _label(name: str) -> str:
     }.get(name, f"DeepSpeed `{name}`")
 
 
-def section_body(rows: list[dict], cmd: str, machine: str, date: str, job: dict) -> list[str]:
+def section_body(
+    rows: list[dict], cmd: str, machine: str, date: str, job: dict, where: str
+) -> list[str]:
     """The speed table's lines from a run's rows (live, or a raw JSON's `rows`): tokens/s, the
     ratios against the floors, and MFU against the ceiling each run measured for itself."""
     by = {r["name"]: r for r in rows}
@@ -270,18 +272,18 @@ def section_body(rows: list[dict], cmd: str, machine: str, date: str, job: dict)
         "ranks at once, on the model's matmul shapes (`training/runtime/flops.py`), shown "
         "beside it; absolute numbers move with the host, the ratios of one run do not.",
         "",
-        "| run | tokens/s | spread | vs DDP | MFU | against (GFLOP/s per rank) |",
-        "|---|---:|---|---:|---:|---:|",
+        "| run | tokens/s | spread | vs DDP | MFU | against (GFLOP/s per rank) | host, date |",
+        "|---|---:|---|---:|---:|---:|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {_label(r['name'])} | not run: {r['error']} | | | | |")
+            lines.append(f"| {_label(r['name'])} | not run: {r['error']} | | | | | {where} |")
             continue
         vs = f"{r['tokens_per_s'] / ddp:.2f}x" if ddp else ""
         lines.append(
             f"| {_label(r['name'])} | {r['tokens_per_s']:,.0f} | {spread(r)} | {vs} | "
             f"{r['mfu']:.1%} | "
-            f"{r.get('ceiling', 0) / 1e9:,.0f} |"
+            f"{r.get('ceiling', 0) / 1e9:,.0f} | {where} |"
         )
     lines += ["", "Ratios, the median of each round's (runs of one round follow each other):", ""]
     for run, against, floor in FLOORS:
