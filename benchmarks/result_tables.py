@@ -35,9 +35,19 @@ def n0(x) -> str:
     return f"{x:,.0f}"
 
 
-def rates(why: str) -> tuple[float, float] | None:
-    """bf16 and fp32 GFLOP/s per rank from a precision choice's `why`."""
-    m = re.search(r"bf16 ([\d.]+) vs fp32 ([\d.]+) GFLOP/s", why or "")
+def span(xs: list[float], fmt: str) -> str:
+    """ "lo-hi" of `xs`, or the one value when they agree at this precision."""
+    lo, hi = fmt.format(min(xs)), fmt.format(max(xs))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def rates(choice: dict) -> tuple[float, float] | None:
+    """bf16 and fp32 GFLOP/s per rank a precision choice measured: its stored rates, else the
+    ones its `why` quotes."""
+    r = choice.get("rates_flops") or {}
+    if "bf16" in r and "fp32" in r:
+        return r["bf16"] / 1e9, r["fp32"] / 1e9
+    m = re.search(r"bf16 ([\d.]+) vs fp32 ([\d.]+) GFLOP/s", choice.get("why") or "")
     return (float(m[1]), float(m[2])) if m else None
 
 
@@ -89,9 +99,9 @@ def matmul_by_host(results: Path) -> str:
     by: dict[str, list] = {}
     for f in files:
         for host, c in _choices(load(results, f)):
-            if rates(c["why"]):
+            if rates(c):
                 by.setdefault(host, []).append(
-                    (*rates(c["why"]), c["picked"] if c.get("asked") == "auto" else None)
+                    (*rates(c), c["picked"] if c.get("asked") == "auto" else None)
                 )
     rows = []
     for host, xs in by.items():
@@ -100,9 +110,9 @@ def matmul_by_host(results: Path) -> str:
         picked = sorted({x[2] for x in xs if x[2]})
         rows.append(
             [
-                f"{min(bf):.1f}-{max(bf):.1f}",
-                f"{min(fp):.1f}-{max(fp):.1f}",
-                f"{min(ratio):.2f}-{max(ratio):.2f}",
+                span(bf, "{:.1f}"),
+                span(fp, "{:.1f}"),
+                span(ratio, "{:.2f}" if max(ratio) < 1 else "{:.1f}"),
                 ", ".join(picked) or "-",
                 str(len(xs)),
                 host,
