@@ -1,7 +1,7 @@
 """One layer's causal attention, forward and backward, under each CPU kernel of our model.
 
     python benchmarks/bench_attention.py [--seqs 256,512,1024,2048] [--tokens 2048] [--heads 12]
-                                         [--kv-heads 12] [--head-dim 64] [--out docs/bench_attention.md]
+                                         [--kv-heads 12] [--head-dim 64] [--results FILE]
 
 SDPA (PyTorch's flash kernel both ways), `explicit` (softmax(QK^T)V written out) and `amx`
 (SDPA's forward, zerostack's backward: models/cpu_attention.py), bf16, one thread (what each of
@@ -9,12 +9,14 @@ two ranks gets), q laid out as the model makes it. Each sequence length holds `-
 a batch. Kernels alternate round by round so drift in the host's speed hits them alike; the
 table keeps each one's median. Also prints the attention FLOPs' rate (causal: half of 4 t^2 d a
 head forward, twice that backward), beside the bf16 matmul ceiling measured in the same run.
+Writes the raw rows to benchmarks/results/attention_kernels.json, from which
+`python -m benchmarks.docs_tables` draws docs/bench_attention.md's table.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
+import json
 import statistics
 import time
 from pathlib import Path
@@ -70,7 +72,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=12)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--out", default="docs/bench_attention.md")
+    p.add_argument("--results", default="", help="raw JSON (default: the committed results)")
     a = p.parse_args()
     torch.set_num_threads(1)
     fns = kernels()
@@ -100,29 +102,30 @@ def main() -> None:
 
 
 def write(rows, a, ceiling: float) -> None:
-    best = {}
-    for t, _, name, fwd, bwd, _ in rows:
-        best.setdefault(t, {})[name] = fwd + bwd
-    lines = [
-        "# Attention kernels on a CPU",
-        "",
-        f"`python benchmarks/bench_attention.py` on {platform.processor() or platform.machine()}, "
-        f"one thread, torch {torch.__version__}: one layer's causal attention, forward and "
-        f"backward, {a.heads} query heads and {a.kv_heads} kv heads of {a.head_dim}, "
-        f"{a.tokens} tokens a batch, bf16; the median of {a.rounds} rounds, kernels "
-        "alternating. GFLOP/s counts the causal attention FLOPs (forward + backward = 3x the "
-        f"forward's 2 b h t^2 d); this run's bf16 matmul ceiling (2048^3): {ceiling:,.0f} GFLOP/s.",
-        "",
-        "| sequence | batch | kernel | forward (ms) | backward (ms) | total (ms) | vs SDPA | GFLOP/s |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for t, b, name, fwd, bwd, rate in rows:
-        lines.append(
-            f"| {t} | {b} | {name} | {fwd:.1f} | {bwd:.1f} | {fwd + bwd:.1f} | "
-            f"{best[t]['sdpa'] / (fwd + bwd):.2f}x | {rate:,.0f} |"
-        )
-    Path(a.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {a.out}")
+    """The raw rows, the host and the run's matmul ceiling; then the doc's table from them."""
+    from benchmarks.host import host_class
+    from benchmarks.provenance import code_record
+
+    default = Path(__file__).resolve().parent / "results" / "attention_kernels.json"
+    raw = Path(a.results or default)
+    doc = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": host_class(),
+        "torch": torch.__version__,
+        "code": code_record(),
+        "args": {k: v for k, v in vars(a).items() if k != "results"},
+        "ceiling_gflops": ceiling,
+        "rows": [
+            dict(zip(("seq", "batch", "kernel", "forward_ms", "backward_ms", "gflops"), r))
+            for r in rows
+        ],
+    }
+    raw.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {raw}")
+    if not a.results:
+        from benchmarks import docs_tables
+
+        docs_tables.write(names=["attention_kernels"])
 
 
 if __name__ == "__main__":

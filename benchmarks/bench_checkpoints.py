@@ -61,7 +61,10 @@ def stall(args, work: Path) -> int:
         results[mode] = stall_run(args, work / mode, mode)
     run = work / mode
     n_params = json.loads((run / "resolved_config.json").read_text())["n_params"]
+    from benchmarks.provenance import today
+
     out = {
+        "date": today(),
         "host": host.host_class(),
         "preset": args.preset,
         "n_params": n_params,

@@ -97,7 +97,10 @@ def main() -> None:
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
+    from benchmarks.provenance import today
+
     result = dict(
+        date=today(),
         host=host_class(),
         torch=torch.__version__,
         threads=1,

@@ -68,7 +68,10 @@ def main() -> int:
         rows.append(row)
         print(row, flush=True)
     host = host_class()
-    Path(a.json).write_text(json.dumps({"host": host, "args": vars(a), "rows": rows}, indent=1))
+    from benchmarks.provenance import today
+
+    record = {"date": today(), "host": host, "args": vars(a), "rows": rows}
+    Path(a.json).write_text(json.dumps(record, indent=1))
     print(f"\n{host}; {a.config}, {a.ranks} ranks, seq {a.seq_len}, micro-batch {a.micro_batch}")
     print("| run | trainable / all params | tokens/s | peak memory / rank (GB) | final loss |")
     print("|---|---:|---:|---:|---:|")

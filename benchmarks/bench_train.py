@@ -1,6 +1,6 @@
 """Training throughput of every ds_config against a plain PyTorch loop of the same model.
 
-    python benchmarks/bench_train.py [--steps 30] [--configs zero0,zero2,...] [--out docs/bench_train.md]
+    python benchmarks/bench_train.py [--steps 30] [--configs zero0,zero2,...]
 
 Each ds_config runs as a real 2-rank job of training/train.py (1 thread per rank on a 2-core
 CPU). The reference is the loop people write by hand: one process, all cores, the same model,
@@ -138,7 +138,6 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
-    p.add_argument("--out", default="docs/bench_train.md")
     p.add_argument("--runs", default="runs/bench")
     p.add_argument(
         "--results", default="", help="raw JSON (benchmarks/results/bench_train_MODEL.json)"
@@ -164,55 +163,19 @@ def main() -> int:
     for name in a.configs.split(","):
         rows.append(run_config(name, a, Path(a.runs)))
         print(rows[-1], flush=True)
-    write_table(rows, a)
     # the raw rows beside the table, with the host and the code they ran on
     host["loadavg_after"] = list(os.getloadavg())
     raw = Path(a.results or REPO / "benchmarks" / "results" / f"bench_train_{a.model}.json")
     raw.parent.mkdir(parents=True, exist_ok=True)
-    args = {k: v for k, v in vars(a).items() if k not in ("data", "runs", "out", "results")}
+    args = {k: v for k, v in vars(a).items() if k not in ("data", "runs", "results")}
     doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": args}
     raw.write_text(json.dumps({**doc, "host": host, "code": code_record(), "rows": rows}, indent=1))
+    print(f"raw rows: {raw}")
+    if not a.results:  # the committed results folder: redraw docs/bench_train.md from it
+        from benchmarks import docs_tables
+
+        docs_tables.write(names=["bench_train"])
     return 0
-
-
-def write_table(rows: list[dict], a) -> None:
-    ref = rows[0].get("tokens_per_s")
-    import torch
-
-    from benchmarks.host import host_class
-
-    cpu = host_class()
-
-    lines = [
-        "# Training throughput",
-        "",
-        f"`python benchmarks/bench_train.py --model {a.model} --steps {a.steps}` on {cpu}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}. Model `{a.model}`, sequence "
-        f"{a.seq_len}, global batch {a.micro_batch * a.ranks} sequences "
-        f"({a.micro_batch * a.ranks * a.seq_len} tokens) per step. DeepSpeed rows: {a.ranks} "
-        "ranks (gloo), one thread each. MFU is against the bf16 matmul ceiling each run measured "
-        "for itself on the model's matmul shapes (training/runtime/flops.py; the trainer's "
-        "rows: all ranks at once, summed over ranks), shown in GFLOP/s per process. Memory is the "
-        "highest rank's peak RSS. Plain loops run at a constant learning rate, the trainer "
-        "with warm-up and cosine decay: their final losses differ for that reason."
-        + (f" Extra trainer flags: `{' '.join(a.extra)}`." if a.extra else ""),
-        "",
-        "| run | tokens/s | vs plain loop | MFU | against (GFLOP/s) | peak memory / rank (GB) | "
-        "final loss |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | |")
-            continue
-        lines.append(
-            f"| {r['name']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s'] / ref:.2f}x | {r['mfu']:.1%} | {r['ceiling'] / 1e9:,.0f} | "
-            f"{r['peak_mem_gb']:.2f} | {r['loss']:.3f} |"
-        )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

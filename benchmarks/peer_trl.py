@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.provenance import today
 from launch.launcher_argv import launcher_command
 from training.runtime.distributed import free_port
 
@@ -395,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(t, flush=True)
                     rows.append(t)
         summary = summarise(rows)  # written after every round: a cut-short run keeps its rounds
-        record = {"host": host, "load_avg_1m": loads, "cpus": os.cpu_count(), "args": vars(a),
+        record = {"date": today(), "host": host, "load_avg_1m": loads, "cpus": os.cpu_count(), "args": vars(a),
                   "data_means": means, "rows": rows, "summary": summary}  # fmt: skip
         Path(a.json).write_text(json.dumps(record, indent=1))
     print(f"\n{host}; {a.ranks} ranks, seq {a.seq_len}, micro-batch {a.micro_batch}, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,6 +70,11 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def today() -> str:
+    """The day a result is measured (UTC), which every raw file records as `date`."""
+    return time.strftime("%Y-%m-%d", time.gmtime())
 
 
 def host_record() -> dict:

@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,6 @@ from launch.launcher_argv import launcher_command
 from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-SECTION = "## A long run stays flat: the soak benchmark"
 ENGINES = {
     "zero2": ["--backend", "deepspeed", "--ds_config", "ds_configs/zero2.json"],
     "fsdp2": ["--backend", "fsdp"],
@@ -197,72 +195,6 @@ def between(r: Soak, q: float) -> tuple[int, list[float]]:
     return s.step, [v / 2**20 for v in s.rss]
 
 
-def _mib(v: list[float]) -> str:
-    return " / ".join(f"{x / 2**20:.0f}" for x in v)
-
-
-def _ints(v: list[float]) -> str:
-    return " / ".join(f"{x:g}" for x in v)
-
-
-def table(rows: list[dict], a, warm: int) -> str:
-    about = (
-        f"Measured with `python -m benchmarks.soak --steps {a.steps}` (tiny preset, 2 ranks, "
-        f"sequence 64, save every {a.save_every} steps keeping the last 2, evaluation every "
-        f"{a.eval_every}; {time.strftime('%Y-%m-%d')}). Start: median of the samples over steps "
-        f"{warm}-{warm + max(a.steps // 10, 20)}; end: over the last tenth before the final step. "
-        "Per rank (rank 0 / rank 1)."
-    )
-    lines = [
-        textwrap.fill(about, 100, break_on_hyphens=False),
-        "",
-        "| engine | RSS MiB start -> end | growth | RSS MiB at 25/50/75% | fds start -> end "
-        "| threads | /dev/shm maps | run's /dev/shm files after exit | holds |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['engine']} | {r['error']} | | | | | | | no |")
-            continue
-        s, e = r["start"], r["end"]
-        mid = "; ".join(f"{step}: " + " / ".join(f"{x:.0f}" for x in v) for step, v in r["between"])
-        growth = " / ".join(f"{g:+.1%}" for g in r["rss_growth"])
-        lines.append(
-            f"| {r['engine']} | {_mib(s['rss'])} -> {_mib(e['rss'])} | {growth} | {mid} "
-            f"| {_ints(s['fds'])} -> {_ints(e['fds'])} | {_ints(s['threads'])} -> "
-            f"{_ints(e['threads'])} | {_ints(s['shm_maps'])} -> {_ints(e['shm_maps'])} "
-            f"| {len(r.get('shm_left', []))} | {'yes' if r['ok'] else 'NO: ' + failed(r)} |"
-        )
-    return "\n".join(lines)
-
-
-def failed(r: dict) -> str:
-    return ", ".join(k for k, ok in r["checks"].items() if not ok)
-
-
-def write_section(doc: Path, body: str) -> None:
-    """Replace the soak section of `doc` (up to the next `## ` heading), or append it."""
-    text = doc.read_text()
-    intro = (
-        "A tiny model trained for thousands of steps with frequent saves (old checkpoints "
-        "deleted all along) and evaluations, under ZeRO-2 and FSDP2, sampled from outside about "
-        "once a second: memory, open files and shared memory must not grow (RSS at most 5%). "
-        "`/dev/shm maps` counts the shared-memory files a rank has mapped (ZeRO-2: DeepSpeed's "
-        "all-reduce segments, unlinked by name once every rank has mapped them); the next column "
-        "counts the /dev/shm files named after the run that are left once it has exited. "
-        "`python -m benchmarks.soak` runs 3000 steps by default and exits 1 when a check fails."
-    )
-    section = f"{SECTION}\n\n{textwrap.fill(intro, 100, break_on_hyphens=False)}\n\n{body}\n"
-    if SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        nxt = rest.find("\n## ")
-        tail = rest[nxt + 1 :] if nxt >= 0 else ""
-        text = head + section + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    doc.write_text(text)
-
-
 def ensure_data(path: Path) -> Path:
     if not (path / "manifest.json").is_file():
         from data import prepare
@@ -282,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     p.add_argument("--data", type=Path, default=REPO / "data_cache" / "soak-pystdlib")
     p.add_argument("--runs", type=Path, default=REPO / "runs" / "soak")
-    p.add_argument("--doc", type=Path, help="write the table into this file's soak section")
+    p.add_argument("--results", type=Path, help="raw JSON (default: the committed results)")
     a = p.parse_args(argv)
     engines = a.engines.split(",")
     if unknown := [e for e in engines if e not in ENGINES]:
@@ -300,11 +232,26 @@ def main(argv: list[str] | None = None) -> int:
         row["shm_left"] = r.shm_left
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)
-    text = table(rows, a, warm)
-    print(text)
-    if a.doc:
-        write_section(a.doc, text)
+    save(rows, a, warm)
     return 0 if all(r.get("ok") for r in rows) else 1
+
+
+def save(rows: list[dict], a, warm: int) -> None:
+    """The raw rows, then docs/reliability.md's table drawn from them (the committed results
+    only: a --results elsewhere leaves the docs alone)."""
+    from benchmarks.host import host_class
+    from benchmarks.provenance import code_record, today
+    from benchmarks.reliability_tables import soak_table
+
+    raw = a.results or REPO / "benchmarks" / "results" / "soak.json"
+    args = {k: getattr(a, k) for k in ("steps", "save_every", "eval_every", "ranks", "engines")}
+    doc = {"date": today(), "host": host_class(), "code": code_record(), "args": args}
+    raw.write_text(json.dumps({**doc, "warm": warm, "rows": rows}, indent=1, default=str))
+    print(soak_table(rows, a, warm, f"{doc['host']}, {doc['date']}"))
+    if not a.results:
+        from benchmarks import docs_tables
+
+        docs_tables.write(names=["soak"])
 
 
 if __name__ == "__main__":

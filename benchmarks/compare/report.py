@@ -1,5 +1,6 @@
 """What `python -m benchmarks.compare` writes: comparison.md and its two pictures, the speed
-table as a section of another page (--section), and every round's raw figures as JSON."""
+table's lines for docs/benchmarks.md (drawn by benchmarks/docs_tables.py from the raw JSON), and
+every round's raw figures as JSON."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import time
 from pathlib import Path
 
 from benchmarks.compare.runs import FLOORS, LOOPS, WARMUP_STEPS, floor_ratio
-
-SECTION = "## Engines side by side, against the ceiling measured in the same run"
 
 
 def spread(r: dict) -> str:
@@ -254,37 +253,37 @@ def _label(name: str) -> str:
     }.get(name, f"DeepSpeed `{name}`")
 
 
-def write_section(rows: list[dict], a, path: Path) -> str:
-    """The speed table as a section of `path` (SECTION, replaced when there, else appended):
-    tokens/s, the ratios, and MFU against the ceiling each run measured for itself."""
+def section_body(
+    rows: list[dict], cmd: str, machine: str, date: str, job: dict, where: str
+) -> list[str]:
+    """The speed table's lines from a run's rows (live, or a raw JSON's `rows`): tokens/s, the
+    ratios against the floors, and MFU against the ceiling each run measured for itself."""
     by = {r["name"]: r for r in rows}
     ddp = by.get("ddp", {}).get("tokens_per_s")
-    cmd = " ".join(["python -m benchmarks.compare", *getattr(a, "argv", [])])
     lines = [
-        SECTION,
-        "",
-        f"`{cmd}` on {machine()}, {time.strftime('%Y-%m-%d')}: model `{a.model}`"
-        + (f" with {a.layers} layers" if a.layers else "")
-        + f", sequence {a.seq_len}, micro-batch {a.micro_batch} x {a.grad_accum} accumulation "
-        f"x {a.ranks} ranks x 1 thread, bf16, {a.steps} steps, {a.repeats} rounds run "
+        f"`{cmd}` on {machine}, {date}: model `{job['model']}`"
+        + (f" with {job['layers']} layers" if job.get("layers") else "")
+        + f", sequence {job['seq_len']}, micro-batch {job['micro_batch']} x "
+        f"{job['grad_accum']} accumulation x {job['ranks']} ranks x 1 thread, bf16, "
+        f"{job['steps']} steps, {job['repeats']} rounds run "
         "round-robin. Tokens/s: the median of the rounds' medians over the steps after warm-up "
         "(the rounds' spread beside it). MFU is "
         "against the bf16 matmul ceiling each run measured for itself at its start, on all "
         "ranks at once, on the model's matmul shapes (`training/runtime/flops.py`), shown "
         "beside it; absolute numbers move with the host, the ratios of one run do not.",
         "",
-        "| run | tokens/s | spread | vs DDP | MFU | against (GFLOP/s per rank) |",
-        "|---|---:|---|---:|---:|---:|",
+        "| run | tokens/s | spread | vs DDP | MFU | against (GFLOP/s per rank) | host, date |",
+        "|---|---:|---|---:|---:|---:|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {_label(r['name'])} | not run: {r['error']} | | | | |")
+            lines.append(f"| {_label(r['name'])} | not run: {r['error']} | | | | | {where} |")
             continue
         vs = f"{r['tokens_per_s'] / ddp:.2f}x" if ddp else ""
         lines.append(
             f"| {_label(r['name'])} | {r['tokens_per_s']:,.0f} | {spread(r)} | {vs} | "
             f"{r['mfu']:.1%} | "
-            f"{r.get('ceiling', 0) / 1e9:,.0f} |"
+            f"{r.get('ceiling', 0) / 1e9:,.0f} | {where} |"
         )
     lines += ["", "Ratios, the median of each round's (runs of one round follow each other):", ""]
     for run, against, floor in FLOORS:
@@ -297,16 +296,7 @@ def write_section(rows: list[dict], a, path: Path) -> str:
                 + (f"; rounds {each}" if each else "")
                 + f"): {verdict}"
             )
-    section = "\n".join(lines) + "\n"
-    text = path.read_text() if path.is_file() else ""
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
-    path.write_text(text)
-    return section
+    return lines
 
 
 def plot_memory(rows: list[dict], path: Path) -> None:

@@ -51,7 +51,8 @@ FLOORS = [  # (run, against, at least x)
     ("zero2", "zero2_eager", 1.0),
     ("zero3", "zero3_gloo", 1.0),
     ("fsdp", "fsdp_gloo", 1.0),
-    # issue 17's goals for ZeRO-2 against the loops people run today (the peer workload)
+    # the goals for ZeRO-2 against the loops people run today (the peer workload; set on a CPU
+    # with AMX)
     ("zero2", "reference", 1.3),
     ("zero2", "hf_trainer", 1.5),
     # ... and as people run them: transformers' Llama with SDPA, our model with SDPA
