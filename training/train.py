@@ -92,6 +92,7 @@ def train(config: RunConfig, prepared: Prepared) -> int:
     engine, facts = build(config, prepared, started)
     loader, val_ds = make_loaders(config, prepared, engine)
     resume = started.resume
+    preference = use_preference(config, engine, loader, val_ds, resume, started)
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
     dtype = DTYPES[config.engine.precision]
     # Measured by all ranks at once, on this model's matmul shapes (runtime/flops.py): at the
@@ -110,6 +111,8 @@ def train(config: RunConfig, prepared: Prepared) -> int:
         ceiling=ceiling,
     )
     logger = open_logger(config, prepared, record, engine.dp_world, state.step, started)
+    if preference:
+        logger.console(f"objective: {preference}")
     choice = prepared.precision_choice
     logger.log(
         {"kind": "precision", "step": state.step, **choice.as_record(), "note": choice.line()}
@@ -255,6 +258,28 @@ def make_loaders(
         train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, config.optim.seed
     )
     return loader, open_split(config.data.path, "val", config.data.seq_len, pack)
+
+
+def use_preference(config: RunConfig, engine: Engine, loader, val_ds, resume, started) -> str:
+    """On preference pairs: the engine's objective the DPO-family loss, against the reference
+    log-probs computed now by the starting model (before any checkpoint is loaded) or read
+    back on a resume (training/objectives/reference.py). '' on other data."""
+    if not getattr(loader.dataset, "pairs", False):
+        return ""
+    from training.objectives import reference
+
+    objective = config.optim.objective
+    return reference.attach(
+        engine,
+        {"train": loader.dataset, "val": val_ds},
+        Path(config.out),
+        kind="dpo" if objective == "auto" else objective,
+        beta=config.optim.dpo_beta,
+        resumed=resume is not None,
+        micro_batch=started.prepared.micro_batch,
+        device=started.dist.device,
+        is_main=started.dist.is_main,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
