@@ -228,7 +228,7 @@ def _prepare_chat(
 ) -> Path:
     """prepare() for chat/instruction JSONL (data/chat.py), or preference pairs with `pairs`
     (data/preference.py); the same folder layout, each shard with its loss mask."""
-    from data.chat import chat_files, chat_template_of, write_chat_splits
+    from data.chat import chat_files, chat_template_of
     from data.manifest import dtype_for_vocab
     from data.tokenizer import check_hf_tokenizer, copy_hf_tokenizer, special_ids
 
@@ -266,36 +266,8 @@ def _prepare_chat(
         copy_hf_tokenizer(tokenizer, tok_dir, chat_template=template)
         ids = special_ids(tok_dir)
         out_dtype = dtype_for_vocab(ids["vocab_size"], dtype)
-        if pairs:
-            from data.preference import write_preference_splits
-
-            splits, counts = write_preference_splits(
-                str(source),
-                tmp,
-                tok_dir,
-                out_dtype,
-                seq_len=seq_len,
-                too_long=too_long,
-                val_fraction=val_fraction,
-                seed=seed,
-                shard_tokens=shard_tokens,
-                val_source=None if val_source is None else str(val_source),
-            )
-        else:
-            splits, counts = write_chat_splits(
-                str(source),
-                tmp,
-                tok_dir,
-                out_dtype,
-                seq_len=seq_len,
-                train_on=train_on,
-                too_long=too_long,
-                val_fraction=val_fraction,
-                seed=seed,
-                shard_tokens=shard_tokens,
-                progress=progress,
-                val_source=None if val_source is None else str(val_source),
-            )
+        val = None if val_source is None else str(val_source)
+        splits, counts = _write_examples(str(source), tmp, tok_dir, out_dtype, args, val, progress)
         kind = "preference pairs" if pairs else "chat data"
         detail = f"{kind}: {len(files)} JSONL files"
         manifest = _manifest(source, detail, ids, out_dtype, tok_dir, args, splits)
@@ -307,6 +279,24 @@ def _prepare_chat(
         raise
     _log(progress, _chat_counts_line(counts))
     return out
+
+
+def _write_examples(source: str, tmp: Path, tok_dir: Path, dtype: str, args: dict, val, progress):
+    """Chat examples (data/chat.py) or, when `args` say pairs, preference pairs
+    (data/preference.py) into `tmp`'s shards, with the options `args` record; returns (splits,
+    counts)."""
+    names = ("seq_len", "too_long", "val_fraction", "seed", "shard_tokens")
+    kw = {k: args[k] for k in names}
+    if args.get("pairs"):
+        from data.preference import write_preference_splits
+
+        return write_preference_splits(source, tmp, tok_dir, dtype, val_source=val, **kw)
+    from data.chat import write_chat_splits
+
+    return write_chat_splits(
+        source, tmp, tok_dir, dtype, train_on=args["train_on"], progress=progress,
+        val_source=val, **kw
+    )  # fmt: skip
 
 
 def _check_chat_options(source, tokenizer, train_on: str, too_long: str, seq_len: int) -> None:

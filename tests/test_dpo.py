@@ -192,7 +192,7 @@ def test_dpo_resumes_bit_for_bit_on_the_stored_reference(resumed):
     assert [[r[k] for k in keys] for r in again if r["step"] > 3] == [
         [r[k] for k in keys] for r in ref if r["step"] > 3
     ]
-    assert "train: 36 read back" in resumed["log"]
+    assert "train: 36 read back, val: 12 read back" in resumed["log"]
     assert (resumed["stopped"] / "reference" / "train.npy").read_bytes() == resumed["stored"]
     evals = read_metrics(resumed["ref"], "eval")
     assert {"val_accuracy", "val_margin", "val_rewards_chosen"} <= evals[-1].keys()
@@ -205,7 +205,7 @@ def test_lora_dpo_reference_is_the_base_with_adapters_off(pairs, tmp_path):
     from models import build_model, save_llama
     from training.checkpoints import layout as ckpt
     from training.checkpoints.weights import load_lora_model
-    from training.objectives.preference import sequence_logps
+    from training.objectives.dpo import sequence_logps
 
     ds = PairDataset(pairs["data"], "train", SEQ)
     torch.manual_seed(5)
@@ -228,3 +228,20 @@ def test_lora_dpo_reference_is_the_base_with_adapters_off(pairs, tmp_path):
             off = sequence_logps(model(input_ids=x).logits, y)[0]
     assert torch.allclose(off.double(), stored, atol=1e-4)
     assert (trained.double() - stored).abs().max() > 1e-3  # the adapters did train
+
+
+def test_memory_plan_counts_pairs_and_their_stored_reference(pairs):
+    from models import get_config
+    from training.memory.plan import REFERENCE_BYTES, plan
+    from training.memory.shape import shape_of_config
+    from training.preflight.memory_fit import _pairs
+
+    n = _pairs(str(pairs["data"]))
+    assert n == 48  # both splits
+    shape = shape_of_config(get_config("small", vocab_size=8192), "small")
+    ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    text, pref = (plan(shape, ds, 2, micro_batch=4, seq_len=256, pairs=k) for k in (0, n))
+    # a micro-batch of 4 pairs is 8 sequences, with the fp32 log-softmax kept besides
+    assert pref.per_rank["activations"]["device"] > 2 * text.per_rank["activations"]["device"]
+    more = pref.per_rank["runtime"]["host"] - text.per_rank["runtime"]["host"]
+    assert more == REFERENCE_BYTES * n

@@ -90,9 +90,8 @@ def train(config: RunConfig, prepared: Prepared) -> int:
     # the same initial weights on every rank, before the model exists
     torch.manual_seed(config.optim.seed)
     engine, facts = build(config, prepared, started)
-    loader, val_ds = make_loaders(config, prepared, engine)
+    loader, val_ds = make_loaders(config, prepared, engine, started)
     resume = started.resume
-    preference = use_preference(config, engine, loader, val_ds, resume, started)
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
     dtype = DTYPES[config.engine.precision]
     # Measured by all ranks at once, on this model's matmul shapes (runtime/flops.py): at the
@@ -111,8 +110,6 @@ def train(config: RunConfig, prepared: Prepared) -> int:
         ceiling=ceiling,
     )
     logger = open_logger(config, prepared, record, engine.dp_world, state.step, started)
-    if preference:
-        logger.console(f"objective: {preference}")
     choice = prepared.precision_choice
     logger.log(
         {"kind": "precision", "step": state.step, **choice.as_record(), "note": choice.line()}
@@ -248,34 +245,36 @@ def start_followups(prepared: Prepared, dist: DistInfo, run_dir: Path, logger, k
 
 
 def make_loaders(
-    config: RunConfig, prepared: Prepared, engine: Engine
+    config: RunConfig, prepared: Prepared, engine: Engine, started: Started
 ) -> tuple[BatchLoader, TokenDataset]:
     """The training reader, sharded over the data-parallel replicas, and the validation set
-    (for a mixture `--data A:0.7,B:0.3`, data.Mixture of the folders)."""
+    (for a mixture `--data A:0.7,B:0.3`, data.Mixture of the folders); on preference pairs
+    with their reference log-probs, and the engine's objective set (use_preference)."""
     pack = config.data.doc_mask  # chat data: several examples a sample, kept apart by the mask
     train_ds = open_split(config.data.path, "train", config.data.seq_len, pack)
     loader = BatchLoader(
         train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, config.optim.seed
     )
-    return loader, open_split(config.data.path, "val", config.data.seq_len, pack)
+    val_ds = open_split(config.data.path, "val", config.data.seq_len, pack)
+    if getattr(train_ds, "pairs", False):
+        use_preference(config, engine, train_ds, val_ds, started)
+    return loader, val_ds
 
 
-def use_preference(config: RunConfig, engine: Engine, loader, val_ds, resume, started) -> str:
-    """On preference pairs: the engine's objective the DPO-family loss, against the reference
+def use_preference(config: RunConfig, engine: Engine, train_ds, val_ds, started) -> None:
+    """Preference pairs: the engine's objective the DPO-family loss, against the reference
     log-probs computed now by the starting model (before any checkpoint is loaded) or read
-    back on a resume (training/objectives/reference.py). '' on other data."""
-    if not getattr(loader.dataset, "pairs", False):
-        return ""
+    back on a resume (training/objectives/reference.py)."""
     from training.objectives import reference
 
     objective = config.optim.objective
-    return reference.attach(
+    reference.attach(
         engine,
-        {"train": loader.dataset, "val": val_ds},
+        {"train": train_ds, "val": val_ds},
         Path(config.out),
         kind="dpo" if objective == "auto" else objective,
         beta=config.optim.dpo_beta,
-        resumed=resume is not None,
+        resumed=started.resume is not None,
         micro_batch=started.prepared.micro_batch,
         device=started.dist.device,
         is_main=started.dist.is_main,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from data import eval_batches
 from training.errors import CheckpointError
-from training.objectives.preference import PreferenceLoss, sequence_logps
+from training.objectives.dpo import PreferenceLoss, sequence_logps
 
 FOLDER = "reference"
 
@@ -72,10 +72,10 @@ def attach(
     micro_batch: int,
     device,
     is_main: bool,
-) -> str:
+) -> None:
     """Set the engine's objective to the preference loss and give each split (`datasets`: name
     -> PairDataset) its reference log-probs: computed now on a fresh run (and written by rank 0),
-    read back on a resume. Returns a line for the console."""
+    read back on a resume. The objective's `note` says which (the run's banner shows it)."""
     folder = Path(run_dir) / FOLDER
     said = []
     for split, ds in datasets.items():
@@ -103,4 +103,4 @@ def attach(
             info.write_text(json.dumps({"fingerprint": _fingerprint(ds), "pairs": len(ds)}))
         said.append(f"{split}: {len(ds)} computed")
     engine.objective = PreferenceLoss(kind, beta)
-    return f"{kind} (beta {beta}) against the starting model's log-probs ({', '.join(said)})"
+    engine.objective.note = f"reference log-probs of the starting model: {', '.join(said)}"

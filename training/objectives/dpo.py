@@ -82,6 +82,7 @@ class PreferenceLoss:
         if kind not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {kind!r}")
         self.kind, self.beta = kind, beta
+        self.note = ""  # where the reference log-probs came from (reference.py)
         self.sums: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
 
     def __call__(self, model, x, y, num_items=None, reference=None) -> torch.Tensor:
@@ -92,6 +93,10 @@ class PreferenceLoss:
         mode = "train" if torch.is_grad_enabled() else "eval"  # eval_loss runs without grad
         self.sums[mode] = stats if self.sums[mode] is None else self.sums[mode] + stats
         return loss
+
+    def describe(self) -> str:
+        """The objective in the run's banner and record."""
+        return f"{self.kind} (beta {self.beta}; {self.note})" if self.note else self.kind
 
     def take(self, mode: str, device) -> dict:
         """The mean figures of `mode` since the last take, over all ranks (all ranks call)."""
