@@ -133,7 +133,7 @@ def test_loss_and_rewards_equal_a_plain_pytorch_computation(pairs, kind):
         logits = model(input_ids=x).logits
     got = objective.take("eval", torch.device("cpu"))
     pol, lengths = plain_logps(logits, y), (y != IGNORE_INDEX).sum(1)
-    losses, rc, rr, acc = [], [], [], []
+    losses, rc, rr, acc, prefers = [], [], [], [], []
     for i in range(4):
         pc, pr = pol[2 * i], pol[2 * i + 1]
         fc, fr = float(reference[2 * i]), float(reference[2 * i + 1])
@@ -148,11 +148,13 @@ def test_loss_and_rewards_equal_a_plain_pytorch_computation(pairs, kind):
         rc.append(beta * (pc - fc))
         rr.append(beta * (pr - fr))
         acc.append(float(rc[-1] > rr[-1]))
+        prefers.append(float(pc > pr))
     want = torch.stack(losses).mean()
     assert abs(loss.item() - want.item()) <= 1e-6 * max(1.0, abs(want.item())), (loss, want)
     assert got["rewards_chosen"] == pytest.approx(float(sum(rc) / 4), abs=1e-6)
     assert got["rewards_rejected"] == pytest.approx(float(sum(rr) / 4), abs=1e-6)
     assert got["accuracy"] == sum(acc) / 4 and 0 < got["accuracy"] < 1
+    assert got["prefers_chosen"] == sum(prefers) / 4
     assert got["margin"] == pytest.approx(got["rewards_chosen"] - got["rewards_rejected"])
 
 

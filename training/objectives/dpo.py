@@ -23,8 +23,10 @@ from training.runtime.distributed import all_reduce_scalars
 
 OBJECTIVES = ("dpo", "ipo")
 # The sums a PreferenceLoss keeps per mode (train, eval), in this order.
+# accuracy: the chosen answer's reward is the higher (0 at the start, where both are 0);
+# prefers_chosen: the policy gives the chosen answer the higher log-prob (the model's own ranking)
 _STATS = ("pairs", "rewards_chosen", "rewards_rejected", "accuracy", "logps_chosen",
-          "logps_rejected")  # fmt: skip
+          "logps_rejected", "prefers_chosen")  # fmt: skip
 
 
 def sequence_logps(
@@ -67,6 +69,7 @@ def preference_loss(
             (rewards[:, 0] > rewards[:, 1]).float().sum(),
             pi[:, 0].detach().sum(),
             pi[:, 1].detach().sum(),
+            (pi[:, 0] > pi[:, 1]).float().sum(),
         ]
     )
     return losses.mean(), stats
