@@ -304,10 +304,11 @@ def train_loop(t: Training) -> dict:
     config, prepared, engine, dist, run_dir = t.config, t.prepared, t.engine, t.dist, t.run_dir
     loader, logger, record = t.loader, t.logger, t.record
     micro, accum = prepared.micro_batch, prepared.grad_accum
+    sequences = 2 if getattr(loader.dataset, "pairs", False) else 1  # a preference pair: two
     loop = LoopConfig(
         schedule=prepared.schedule,
         grad_accum=accum,
-        tokens_per_step=micro * accum * engine.dp_world * config.data.seq_len,
+        tokens_per_step=micro * accum * engine.dp_world * config.data.seq_len * sequences,
         log_every=config.logging.every,
         eval_every=config.eval.every,
         save_every=config.checkpoint.save_every,
