@@ -57,8 +57,8 @@ class ExampleDataset:
         return len(self._bounds)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        if not 0 <= i < len(self):
-            raise IndexError(f"example {i} out of range [0, {len(self)})")
+        if not 0 <= i < len(self._bounds):
+            raise IndexError(f"example {i} out of range [0, {len(self._bounds)})")
         k, start, end = (int(v) for v in self._bounds[i])
         out = np.full((2, self.seq_len + 1), self.pad, dtype=np.int64)
         out[1] = IGNORE_INDEX

@@ -6,6 +6,12 @@ documented function's signature and docstring is the prompt, its body the comple
 writes OUT/train.jsonl and OUT/val.jsonl in the {"prompt", "completion"} shape (data/chat.py).
 A whole file goes to one of the two (shards.split_of over files), so no function of a
 validation file is seen in training, nor any of its neighbours.
+
+    python -m data.instructions --source pystdlib --out data_cache/pyprefs --pairs
+
+writes preference pairs instead (data/preference.py): the same prompt, the function's own body
+as "chosen" and the body of the next documented function of the same file as "rejected" (real
+code of the same style and module, but not what the docstring asks for).
 """
 
 from __future__ import annotations
@@ -48,6 +54,15 @@ def functions(text: str, max_chars: int) -> Iterator[dict[str, str]]:
             yield {"prompt": prompt, "completion": completion}
 
 
+def preference_pairs(rows: list[dict[str, str]]) -> Iterator[dict[str, str]]:
+    """One file's functions -> {"prompt", "chosen": its body, "rejected": the next function's
+    body} for each whose neighbour's body differs (a file with one function gives none)."""
+    for k, row in enumerate(rows):
+        other = rows[(k + 1) % len(rows)]["completion"]
+        if len(rows) > 1 and other != row["completion"]:
+            yield {"prompt": row["prompt"], "chosen": row["completion"], "rejected": other}
+
+
 def build(
     source: str,
     out: str | Path,
@@ -55,9 +70,10 @@ def build(
     val_fraction: float = 0.05,
     seed: int = 0,
     max_chars: int = 1500,
+    pairs: bool = False,
 ) -> dict[str, int]:
     """Write OUT/train.jsonl and OUT/val.jsonl from SOURCE ('pystdlib' or local .py files);
-    return how many examples each holds."""
+    return how many examples (`pairs`: preference pairs) each holds."""
     src = resolve_source(source) if source == "pystdlib" else None
     files = list(src.files) if src else sorted(Path(source).rglob("*.py"))
     if not files:
@@ -68,7 +84,8 @@ def build(
     with open(out / "train.jsonl", "w") as train, open(out / "val.jsonl", "w") as val:
         for i, path in enumerate(files):
             name = "val" if split_of(i, val_fraction, seed) else "train"
-            for row in functions(read_python(path), max_chars):
+            rows = list(functions(read_python(path), max_chars))
+            for row in preference_pairs(rows) if pairs else rows:
                 (val if name == "val" else train).write(json.dumps(row) + "\n")
                 counts[name] += 1
     return counts
@@ -83,15 +100,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-fraction", type=float, default=0.05, help="of the files")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-chars", type=int, default=1500, help="longest example kept")
+    p.add_argument(
+        "--pairs", action="store_true", help="preference pairs: chosen and rejected bodies"
+    )
     a = p.parse_args(argv)
     try:
         counts = build(
-            a.source, a.out, val_fraction=a.val_fraction, seed=a.seed, max_chars=a.max_chars
+            a.source,
+            a.out,
+            val_fraction=a.val_fraction,
+            seed=a.seed,
+            max_chars=a.max_chars,
+            pairs=a.pairs,
         )
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{a.out}: {counts['train']} training and {counts['val']} validation examples")
+    what = "pairs" if a.pairs else "examples"
+    print(f"{a.out}: {counts['train']} training and {counts['val']} validation {what}")
     return 0
 
 

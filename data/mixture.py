@@ -153,13 +153,17 @@ def _token_ids(m: Manifest) -> tuple:
 
 def open_split(spec: str, split: str, seq_len: int, pack: bool = False):
     """The reader's dataset for `--data SPEC`: a TokenDataset for one folder (for chat data an
-    ExampleDataset, or PackedExamples with `pack`: --doc-mask), else a Mixture."""
+    ExampleDataset, or PackedExamples with `pack`: --doc-mask; for preference data a
+    PairDataset), else a Mixture."""
     from data.examples import ExampleDataset, PackedExamples
+    from data.pairs import PairDataset, is_pairs
     from data.reader import TokenDataset
 
     parts = parse_spec(spec)
-    chat = load_manifest(parts[0].folder).chat is not None
+    manifest = load_manifest(parts[0].folder)
+    chat = manifest.chat is not None
     kind = (PackedExamples if pack else ExampleDataset) if chat else TokenDataset
+    kind = PairDataset if is_pairs(manifest) else kind
     sets = [kind(p.folder, split, seq_len) for p in parts]
     return sets[0] if len(parts) == 1 else Mixture(parts, sets)
 

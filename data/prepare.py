@@ -6,7 +6,8 @@
     python -m data.prepare --source chats.jsonl --tokenizer HF_DIR --out data_cache/sft
 
 Chat and instruction JSONL (data/chat.py) is rendered with the tokenizer's chat template and
-written with a per-token loss mask.
+written with a per-token loss mask; so are preference pairs (prompt, chosen, rejected:
+data/preference.py), each pair as two consecutive examples.
 
 Documents stream from the source through a pool of tokenizer processes into shards, with a
 bounded number of batches in flight, so memory stays flat whatever the corpus size. Everything
@@ -80,9 +81,11 @@ def prepare(
     validation split is that JSONL's rows, and every row of SOURCE trains.
     """
     from data.chat import is_chat_source
+    from data.preference import is_preference_source
 
     out = Path(out)
-    chat = is_chat_source(str(source)) if chat is None else chat
+    pairs = is_preference_source(str(source))  # prompt, chosen, rejected (data/preference.py)
+    chat = (pairs or is_chat_source(str(source))) if chat is None else chat
     if val_fraction is None:  # "auto": 0.5%, or enough of a small corpus (shards.py)
         val_fraction = _auto_val_fraction(out, source, max_docs, chat)
     _check_options(vocab_size, num_proc, val_fraction, max_docs, sample_bytes, shard_tokens)
@@ -102,6 +105,7 @@ def prepare(
             dtype=dtype,
             progress=progress,
             val_source=val_source,
+            pairs=pairs,
         )
     _refuse_chat_flags(source, chat_template, val_source)
     src = resolve_source(source, text_field)
@@ -220,10 +224,11 @@ def _prepare_chat(
     dtype,
     progress,
     val_source=None,
+    pairs=False,
 ) -> Path:
-    """prepare() for chat/instruction JSONL (data/chat.py); the same folder layout, each shard
-    with its loss mask."""
-    from data.chat import chat_files, chat_template_of, write_chat_splits
+    """prepare() for chat/instruction JSONL (data/chat.py), or preference pairs with `pairs`
+    (data/preference.py); the same folder layout, each shard with its loss mask."""
+    from data.chat import chat_files, chat_template_of
     from data.manifest import dtype_for_vocab
     from data.tokenizer import check_hf_tokenizer, copy_hf_tokenizer, special_ids
 
@@ -249,6 +254,7 @@ def _prepare_chat(
             "seed": seed,
             "shard_tokens": shard_tokens,
             "dtype": dtype,
+            **({"pairs": True, "train_on": "completion"} if pairs else {}),
         }
     )
     if _reuse(out, args) is not None:
@@ -260,21 +266,10 @@ def _prepare_chat(
         copy_hf_tokenizer(tokenizer, tok_dir, chat_template=template)
         ids = special_ids(tok_dir)
         out_dtype = dtype_for_vocab(ids["vocab_size"], dtype)
-        splits, counts = write_chat_splits(
-            str(source),
-            tmp,
-            tok_dir,
-            out_dtype,
-            seq_len=seq_len,
-            train_on=train_on,
-            too_long=too_long,
-            val_fraction=val_fraction,
-            seed=seed,
-            shard_tokens=shard_tokens,
-            progress=progress,
-            val_source=None if val_source is None else str(val_source),
-        )
-        detail = f"chat data: {len(files)} JSONL files"
+        val = None if val_source is None else str(val_source)
+        splits, counts = _write_examples(str(source), tmp, tok_dir, out_dtype, args, val, progress)
+        kind = "preference pairs" if pairs else "chat data"
+        detail = f"{kind}: {len(files)} JSONL files"
         manifest = _manifest(source, detail, ids, out_dtype, tok_dir, args, splits)
         manifest.chat = asdict(counts)
         write_manifest(tmp, manifest)  # last file: its presence marks the folder complete
@@ -284,6 +279,24 @@ def _prepare_chat(
         raise
     _log(progress, _chat_counts_line(counts))
     return out
+
+
+def _write_examples(source: str, tmp: Path, tok_dir: Path, dtype: str, args: dict, val, progress):
+    """Chat examples (data/chat.py) or, when `args` say pairs, preference pairs
+    (data/preference.py) into `tmp`'s shards, with the options `args` record; returns (splits,
+    counts)."""
+    names = ("seq_len", "too_long", "val_fraction", "seed", "shard_tokens")
+    kw = {k: args[k] for k in names}
+    if args.get("pairs"):
+        from data.preference import write_preference_splits
+
+        return write_preference_splits(source, tmp, tok_dir, dtype, val_source=val, **kw)
+    from data.chat import write_chat_splits
+
+    return write_chat_splits(
+        source, tmp, tok_dir, dtype, train_on=args["train_on"], progress=progress,
+        val_source=val, **kw
+    )  # fmt: skip
 
 
 def _check_chat_options(source, tokenizer, train_on: str, too_long: str, seq_len: int) -> None:
@@ -304,6 +317,12 @@ def _check_chat_options(source, tokenizer, train_on: str, too_long: str, seq_len
 
 
 def _chat_counts_line(counts) -> str:
+    if hasattr(counts, "pairs"):
+        return (
+            f"{counts.pairs} pairs ({counts.truncated} truncated, {counts.dropped_too_long} "
+            f"dropped as too long, {counts.dropped_untrained} with a prompt filling the sequence, "
+            f"{counts.dropped_same} the same once cut); trained tokens: {counts.trained_tokens}"
+        )
     return (
         f"{counts.examples} examples ({counts.truncated} truncated, {counts.dropped_too_long} "
         f"dropped as too long, {counts.dropped_untrained} with nothing to train on); trained "

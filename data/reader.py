@@ -118,8 +118,12 @@ def _check_rank(micro_batch: int, rank: int, world: int) -> None:
         raise DataError(f"rank {rank} is outside world size {world}")
 
 
-def _to_xy(samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_xy(samples: np.ndarray) -> tuple[torch.Tensor, ...]:
     t = torch.from_numpy(samples)
+    if t.dim() == 4:  # preference pairs (data/pairs.py): (x, y, reference log-probs), 2B rows
+        rows = t.reshape(-1, 2, t.shape[-1])
+        reference = rows[:, 0, -1].contiguous().view(torch.float64)
+        return rows[:, 0, :-2].contiguous(), rows[:, 1, 1:-1].contiguous(), reference
     if t.dim() == 3:  # chat data: rows of tokens and of targets (data/examples.py)
         return t[:, 0, :-1].contiguous(), t[:, 1, 1:].contiguous()
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()

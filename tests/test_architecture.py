@@ -164,6 +164,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training.settings", "training.runtime"),
     ("training.memory",),
     ("training.engines",),
+    ("training.objectives",),  # what a micro-batch's loss is: the loop and the entry point call it
     ("training.checkpoints",),
     ("training.loop",),
     ("training.evaluation",),  # lm-evaluation-harness on exports: above checkpoints/

@@ -91,6 +91,8 @@ def run_record(
         "held_across_micro_steps": engine.hold,
         # ZeRO-1/2 summing gradients over a loss divided by the world (engines/ds.py)
         "gradients_summed": engine.sums_gradients,
+        # what the loss is: next-token, or the DPO family on preference pairs (objectives/)
+        "objective": getattr(engine.objective, "describe", lambda: "next-token")(),
         "device": str(dist.device),
         "precision": prepared.precision,
         # what was asked, what was picked and why, the rates it was measured by (CPU)
@@ -187,6 +189,8 @@ def banner(record: dict, batch: tuple[int, int, int, int]) -> str:
         line += f" | attention {attention['kernel']}" + (
             f" ({attention['sdpa']})" if attention.get("sdpa") else ""
         )
+    if record.get("objective", "next-token") != "next-token":
+        line += f" | {record['objective']}"
     if record["pipeline"]:
         line += f" | pipeline {record['pipeline']['stages']} stages x {dp} data-parallel"
     elif max(record["parallel"]["tensor"], record["parallel"]["sequence"]) > 1:

@@ -91,7 +91,7 @@ def train(config: RunConfig, prepared: Prepared) -> int:
     # the same initial weights on every rank, before the model exists
     torch.manual_seed(config.optim.seed)
     engine, facts = build(config, prepared, started)
-    loader, val_ds = make_loaders(config, prepared, engine)
+    loader, val_ds = make_loaders(config, prepared, engine, started)
     resume = started.resume
     state = restore(resume, engine, loader, dist.rank, dist.world) if resume else LoopState()
     dtype = DTYPES[config.engine.precision]
@@ -255,16 +255,40 @@ def start_followups(prepared: Prepared, dist: DistInfo, run_dir: Path, logger, k
 
 
 def make_loaders(
-    config: RunConfig, prepared: Prepared, engine: Engine
+    config: RunConfig, prepared: Prepared, engine: Engine, started: Started
 ) -> tuple[BatchLoader, TokenDataset]:
     """The training reader, sharded over the data-parallel replicas, and the validation set
-    (for a mixture `--data A:0.7,B:0.3`, data.Mixture of the folders)."""
+    (for a mixture `--data A:0.7,B:0.3`, data.Mixture of the folders); on preference pairs
+    with their reference log-probs, and the engine's objective set (use_preference)."""
     pack = config.data.doc_mask  # chat data: several examples a sample, kept apart by the mask
     train_ds = open_split(config.data.path, "train", config.data.seq_len, pack)
     loader = BatchLoader(
         train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, config.optim.seed
     )
-    return loader, open_split(config.data.path, "val", config.data.seq_len, pack)
+    val_ds = open_split(config.data.path, "val", config.data.seq_len, pack)
+    if getattr(train_ds, "pairs", False):
+        use_preference(config, engine, train_ds, val_ds, started)
+    return loader, val_ds
+
+
+def use_preference(config: RunConfig, engine: Engine, train_ds, val_ds, started) -> None:
+    """Preference pairs: the engine's objective the DPO-family loss, against the reference
+    log-probs computed now by the starting model (before any checkpoint is loaded) or read
+    back on a resume (training/objectives/reference.py)."""
+    from training.objectives import reference
+
+    objective = config.optim.objective
+    reference.attach(
+        engine,
+        {"train": train_ds, "val": val_ds},
+        Path(config.out),
+        kind="dpo" if objective == "auto" else objective,
+        beta=config.optim.dpo_beta,
+        resumed=started.resume is not None,
+        micro_batch=started.prepared.micro_batch,
+        device=started.dist.device,
+        is_main=started.dist.is_main,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,10 +314,11 @@ def train_loop(t: Training) -> dict:
     config, prepared, engine, dist, run_dir = t.config, t.prepared, t.engine, t.dist, t.run_dir
     loader, logger, record = t.loader, t.logger, t.record
     micro, accum = prepared.micro_batch, prepared.grad_accum
+    sequences = 2 if getattr(loader.dataset, "pairs", False) else 1  # a preference pair: two
     loop = LoopConfig(
         schedule=prepared.schedule,
         grad_accum=accum,
-        tokens_per_step=micro * accum * engine.dp_world * config.data.seq_len,
+        tokens_per_step=micro * accum * engine.dp_world * config.data.seq_len * sequences,
         log_every=config.logging.every,
         eval_every=config.eval.every,
         save_every=config.checkpoint.save_every,

@@ -21,6 +21,12 @@ def model_inputs(x: torch.Tensor, y: torch.Tensor, num_items: float | None = Non
     return {"input_ids": x, "labels": y, "shift_labels": y, **weighed}
 
 
+def next_token_loss(model, x, y, num_items=None, reference=None) -> torch.Tensor:
+    """The default objective: the model's own next-token loss of the micro-batch. An objective
+    is any callable of (model, x, y, num_items, reference) -> loss (training/objectives/)."""
+    return model(**model_inputs(x, y, num_items)).loss
+
+
 @dataclass
 class StepResult:
     grad_norm: float | None
@@ -50,6 +56,8 @@ class Engine(ABC):
     blocks_whole = False  # ZeRO-3 gathers each transformer block whole (engines/ds.py)
     hold = False  # weights kept gathered across micro-steps (ZeRO-3, FSDP2 on one CPU host)
     sums_gradients = False  # ZeRO-1/2 sums gradients over a loss divided by the world (ds.py)
+    # What a micro-batch's loss is (training/objectives/: DPO on preference pairs)
+    objective = staticmethod(next_token_loss)
 
     def __init__(self) -> None:
         initialized = dist.is_initialized()
@@ -63,12 +71,18 @@ class Engine(ABC):
 
     @abstractmethod
     def forward_backward(
-        self, x: torch.Tensor, y: torch.Tensor, boundary: bool, num_items: float | None = None
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        boundary: bool,
+        num_items: float | None = None,
+        reference: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One micro-batch; gradients are reduced only on the boundary. The loss returned sums the
         micro-batches this call completed (the pipeline engine completes the whole step on the
         boundary). `num_items` (masked data): the micro-batch loss is the sum of its per-token
-        losses over this, not their mean (training/loop/loop.py: token_weights)."""
+        losses over this, not their mean (training/loop/loop.py: token_weights). `reference`
+        (preference pairs): the reference model's log-probs, for the objective."""
 
     @abstractmethod
     def step(self) -> StepResult:
@@ -80,7 +94,11 @@ class Engine(ABC):
 
     @abstractmethod
     def eval_loss(
-        self, x: torch.Tensor, y: torch.Tensor, num_items: float | None = None
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        num_items: float | None = None,
+        reference: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A no-grad forward; every rank calls (ZeRO-3 gathers, the pipeline passes stages).
         `num_items` as for forward_backward (1: the sum of the per-token losses)."""

@@ -17,7 +17,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
 from models import transformer_blocks
-from training.engines.base import Engine, OptimizerConfig, StepResult, model_inputs
+from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.engines.sequence import SequenceParallel
@@ -123,13 +123,13 @@ class DeepSpeedEngine(Engine):
     def module(self):
         return self.engine.module
 
-    def _inputs(self, x, y, num_items=None) -> dict:
+    def _loss(self, x, y, num_items=None, reference=None) -> torch.Tensor:
         if self.sequence:
-            return self.sequence.inputs(x, y)
-        return model_inputs(x, y, num_items)
+            return self.engine(**self.sequence.inputs(x, y)).loss
+        return self.objective(self.engine, x, y, num_items, reference)
 
-    def forward_backward(self, x, y, boundary: bool, num_items=None) -> torch.Tensor:
-        loss = self.engine(**self._inputs(x, y, num_items)).loss
+    def forward_backward(self, x, y, boundary: bool, num_items=None, reference=None):
+        loss = self._loss(x, y, num_items, reference)
         scale = self.sequence.backward_scale if self.sequence else 1.0
         if self.sums_gradients:  # the ranks' gradients are summed: their mean, as DeepSpeed's
             scale /= self.dp_world
@@ -174,8 +174,8 @@ class DeepSpeedEngine(Engine):
             group["lr"] = lr
 
     @torch.no_grad()
-    def eval_loss(self, x, y, num_items=None) -> torch.Tensor:
-        loss = self.engine(**self._inputs(x, y, num_items)).loss
+    def eval_loss(self, x, y, num_items=None, reference=None) -> torch.Tensor:
+        loss = self._loss(x, y, num_items, reference)
         return self.sequence.whole_loss(loss) if self.sequence else loss.detach()
 
     def train(self) -> None:

@@ -94,15 +94,15 @@ class FSDPEngine(NativeEngine):
     def _no_sync(self):
         return self._held() if self.hold else contextlib.nullcontext()
 
-    def forward_backward(self, x, y, boundary: bool, num_items=None) -> torch.Tensor:
+    def forward_backward(self, x, y, boundary: bool, num_items=None, reference=None):
         if not (self.hold and boundary):
-            return super().forward_backward(x, y, boundary, num_items)
+            return super().forward_backward(x, y, boundary, num_items, reference)
         # The step's last micro-step finds the weights the held ones kept: keep them through its
         # backward too, which then reshards and reduce-scatters (one all-gather per block a step).
         for block in self.blocks:
             block.set_reshard_after_forward(False, recurse=False)
         try:
-            return super().forward_backward(x, y, boundary, num_items)
+            return super().forward_backward(x, y, boundary, num_items, reference)
         finally:
             for block in self.blocks:
                 block.set_reshard_after_forward(self.reshard_after_forward, recurse=False)

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from training.engines.base import Engine, OptimizerConfig, StepResult, model_inputs
+from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.memory.state_bytes import state_bytes
@@ -64,10 +64,10 @@ class NativeEngine(Engine):
     def module(self):
         return self.model
 
-    def forward_backward(self, x, y, boundary: bool, num_items=None) -> torch.Tensor:
+    def forward_backward(self, x, y, boundary: bool, num_items=None, reference=None):
         with contextlib.nullcontext() if boundary else self._no_sync():
             with self._autocast():
-                loss = self.model(**model_inputs(x, y, num_items)).loss
+                loss = self.objective(self.model, x, y, num_items, reference)
             # Mean over the accumulated micro-batches, as DeepSpeed's engine.backward does.
             # A non-finite loss gives non-finite gradients, which step() then skips.
             scaled = poison(loss) / self.grad_accum
@@ -117,9 +117,9 @@ class NativeEngine(Engine):
             group["lr"] = lr
 
     @torch.no_grad()
-    def eval_loss(self, x, y, num_items=None) -> torch.Tensor:
+    def eval_loss(self, x, y, num_items=None, reference=None) -> torch.Tensor:
         with self._autocast():
-            return self.model(**model_inputs(x, y, num_items)).loss.detach()
+            return self.objective(self.model, x, y, num_items, reference).detach()
 
     def train(self) -> None:
         self.model.train()

@@ -127,13 +127,13 @@ class PipelineEngine(DeepSpeedEngine):
             for s in range(self.stages)
         ]
 
-    def forward_backward(self, x, y, boundary: bool, num_items=None) -> torch.Tensor:
+    def forward_backward(self, x, y, boundary: bool, num_items=None, reference=None):
         """Buffers (x, y); on the boundary runs the whole step (every micro-batch, the reduction
         and the optimizer step) and returns the sum of the step's micro-batch losses, averaged
         over the data-parallel replicas; before the boundary it returns 0. So the loop's running
         sum and count still give the mean over micro-batches, as for the other engines."""
-        if num_items is not None:  # preflight refuses chat data here (preflight/engine_support.py)
-            raise ValueError("the pipeline engine does not weigh the loss by trained tokens")
+        if num_items is not None or reference is not None:  # preflight refuses chat data here
+            raise ValueError("the pipeline engine trains next-token loss on unmasked data only")
         self._pending.append((x, y))
         if not boundary:
             return torch.zeros((), device=self.device)
@@ -187,10 +187,10 @@ class PipelineEngine(DeepSpeedEngine):
             opt.param_names = own
 
     @torch.no_grad()
-    def eval_loss(self, x, y, num_items=None) -> torch.Tensor:
+    def eval_loss(self, x, y, num_items=None, reference=None) -> torch.Tensor:
         """Every rank calls with its replica's batch; returns that batch's loss averaged over the
         data-parallel replicas, on every stage."""
-        if num_items is not None:
+        if num_items is not None or reference is not None:
             raise ValueError("the pipeline engine does not weigh the loss by trained tokens")
         loss = self.engine.eval_batch(iter([(x, y)]), num_micro_batches=1)
         return loss.detach().float().reshape(())

@@ -162,6 +162,10 @@ def _fmt(r: dict) -> str:
         ("val_loss", ".4f"),
         ("ppl", ".2f"),
         ("bpb", ".4f"),
+        ("accuracy", ".2f"),  # preference pairs (training/objectives/)
+        ("margin", ".3f"),
+        ("val_accuracy", ".2f"),
+        ("val_margin", ".3f"),
         ("lr", ".3e"),
         ("grad_norm", ".3f"),
         ("tokens_per_s", ",.0f"),

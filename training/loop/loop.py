@@ -22,6 +22,7 @@ from training.loop.schedule import Schedule
 from training.loop.timer import StepTimer
 from training.loop.validation import Evaluator
 from training.memory.peak import peak_memory_bytes
+from training.objectives import figures as objective_figures
 from training.runtime import liveness, signals
 from training.runtime.distributed import all_gather_object, all_reduce_scalars
 
@@ -189,7 +190,8 @@ def run(
             profiler.after_step(state.step, logger)
         logger.advance(1)
         if state.step % config.log_every == 0 or state.step == config.steps:
-            _log_train(state, config, lr, result, losses, timer, device, logger)
+            extra = objective_figures(engine, "train", device)  # DPO's rewards, accuracy
+            _log_train(state, config, lr, result, losses, timer, device, logger, extra)
         if config.eval_every and state.step % config.eval_every == 0:
             with timer.paused():
                 evaluator(state.step)
@@ -249,14 +251,16 @@ def _micro_batches(engine, loader, grad_accum, device, after_first, timer, weigh
     the step's batches are read first, to weigh each loss by the step's trained tokens."""
     step_loss = torch.zeros((), dtype=torch.float32, device=device)
     batches = [loader.next_batch() for _ in range(grad_accum)] if weighted else None
-    weights = {"num_items": token_weights([y for _, y in batches], device)} if weighted else {}
+    weights = {"num_items": token_weights([b[1] for b in batches], device)} if weighted else {}
     for micro in range(grad_accum):
-        x, y = batches[micro] if weighted else loader.next_batch()
+        batch = batches[micro] if weighted else loader.next_batch()
+        x, y, *reference = (t.to(device, non_blocking=True) for t in batch)
         loss = engine.forward_backward(
-            x.to(device, non_blocking=True),
-            y.to(device, non_blocking=True),
+            x,
+            y,
             boundary=micro == grad_accum - 1,
             **weights,
+            **({"reference": reference[0]} if reference else {}),  # preference pairs
         )
         step_loss += loss.float()
         if micro == 0 and after_first is not None:
@@ -341,7 +345,7 @@ def _count_nonfinite(
     return bad
 
 
-def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, logger) -> None:
+def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, logger, extra) -> None:
     steps, seconds = timer.lap()
     grad_norm = result.grad_norm if result.grad_norm is not None else float("nan")
     mean_loss, grad_norm = all_reduce_scalars([losses.take(), grad_norm], device)
@@ -365,6 +369,7 @@ def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, log
             "nonfinite": state.nonfinite,
             "tokens": state.tokens,
             **({"loss_scale": result.loss_scale} if result.loss_scale else {}),
+            **extra,
         }
     )
 

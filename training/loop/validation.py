@@ -13,6 +13,7 @@ import torch.distributed as dist
 from data import Mixture, eval_batches
 from data.examples import IGNORE_INDEX
 from data.manifest import small_val_warning
+from training.objectives import figures as objective_figures
 
 
 def evaluate(
@@ -26,9 +27,12 @@ def evaluate(
     device: torch.device,
 ) -> dict:
     """Returns {"val_loss", "ppl", "bpb"}, plus "val_loss/NAME" and "bpb/NAME" for each source
-    of a Mixture (`max_samples` windows each); every rank must call it (ZeRO-3 forwards gather)."""
+    of a Mixture (`max_samples` windows each); for preference pairs the objective's loss and
+    figures (val_accuracy, val_margin, ...). Every rank must call it (ZeRO-3 forwards gather)."""
     if not isinstance(val_dataset, Mixture):
         loss = _mean_loss(engine, val_dataset, micro_batch, rank, world, max_samples, device)
+        if getattr(val_dataset, "pairs", False):  # a DPO loss has no perplexity nor bits/byte
+            return {"val_loss": loss, **objective_figures(engine, "eval", device)}
         return _figures(loss, val_dataset.bytes_per_token)
     out, mix_loss, mix_bpt = {}, 0.0, 0.0
     for part, ds in val_dataset.sources():
@@ -45,7 +49,15 @@ def _mean_loss(engine, dataset, micro_batch, rank, world, max_samples, device) -
     engine.eval()
     masked = getattr(dataset, "masked", False)
     total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, batches/tokens
-    for x, y in eval_batches(dataset, micro_batch, rank, world, max_samples=max_samples):
+    for x, y, *reference in eval_batches(
+        dataset, micro_batch, rank, world, max_samples=max_samples
+    ):
+        if reference:  # preference pairs: the objective's mean over the batch's pairs
+            total[0] += engine.eval_loss(
+                x.to(device), y.to(device), reference=reference[0].to(device)
+            ).double()
+            total[1] += 1
+            continue
         if masked:  # the per-token losses' sum, and how many tokens it holds
             total[0] += engine.eval_loss(x.to(device), y.to(device), num_items=1.0).double()
             total[1] += int((y != IGNORE_INDEX).sum())

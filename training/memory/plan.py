@@ -57,6 +57,7 @@ NVME_SUB_GROUP_EXTRA = 16
 NVME_FIXED = int(0.4 * GiB)
 NVME_PER_PARAM = 1.6
 STATE_CATEGORIES = ("params", "grads", "optimizer", "buffers")
+REFERENCE_BYTES = 16  # a pair's stored reference log-probs: two float64
 
 
 @dataclass
@@ -109,10 +110,13 @@ def plan(
     ranks_per_host: int | None = None,
     device_type: str = "cpu",
     async_save: bool = False,
+    pairs: int = 0,
 ) -> Plan:
     """Per-rank bytes by category and location for a resolved or raw ds_config. `async_save`:
     a background save's host copy of the states in memory (weights and optimizer states, what
-    the rank's checkpoint files hold; what is swapped to NVMe is copied file to file)."""
+    the rank's checkpoint files hold; what is swapped to NVMe is copied file to file). `pairs`:
+    preference data's pairs (training/objectives/): a micro-batch of pairs is twice as many
+    sequences, and each rank holds the stored reference log-probs of every pair."""
     prec = ds_config.precision(ds_cfg)
     w = 4 if prec == "fp32" else 2
     micro = micro_batch or _int(
@@ -120,7 +124,7 @@ def plan(
     )
     per = model_state_placement(shape, ds_cfg, world, device_type)
     per["activations"]["device"] = activation_bytes(
-        shape, micro, seq_len, w, activation_checkpointing
+        shape, micro, seq_len, w, activation_checkpointing, pairs=pairs > 0
     )
     per["working"]["device"] = working_bytes(shape, ds_cfg, world, per["activations"]["device"])
     if device_type == "cpu":
@@ -129,6 +133,7 @@ def plan(
     per["runtime"]["device" if device_type != "cpu" else "host"] = RUNTIME_BYTES.get(
         device_type, RUNTIME_BYTES["cuda"]
     )
+    per["runtime"]["host"] += REFERENCE_BYTES * pairs
     if async_save:
         per["staging"]["host"] = sum(
             per[c][loc] for c in ("params", "optimizer") for loc in ("device", "host")
@@ -255,12 +260,17 @@ def working_bytes(shape: ModelShape, ds_cfg: dict, world: int, activations: int)
     return max(gathered, step)
 
 
-def activation_bytes(shape: ModelShape, micro: int, seq_len: int, w: int, ckpt: bool) -> int:
-    """A rough count of what backward needs from forward, for one micro-batch."""
-    tokens = micro * seq_len
+def activation_bytes(
+    shape: ModelShape, micro: int, seq_len: int, w: int, ckpt: bool, pairs: bool = False
+) -> int:
+    """A rough count of what backward needs from forward, for one micro-batch (`pairs`: of
+    preference pairs, two sequences each, whose fp32 log-softmax is kept for backward)."""
+    tokens = micro * seq_len * (2 if pairs else 1)
     block = tokens * (w * (8 * shape.hidden + 4 * shape.intermediate) + 8 * shape.hidden)
     kept = shape.layers * tokens * w * shape.hidden + block if ckpt else shape.layers * block
     logits = tokens * shape.vocab * (w + 4)  # 16-bit logits and the fp32 loss pass over them
+    if pairs:  # objectives/dpo.py: the fp32 log-softmax and its gradient besides
+        logits += tokens * shape.vocab * 8
     return int(kept + logits)
 
 

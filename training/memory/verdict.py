@@ -78,9 +78,11 @@ def check_run(
     host_mem_gib: float | None = None,
     device_mem_gib: float | None = None,
     async_save: bool = False,
+    pairs: int = 0,
 ) -> Verdict:
     """The trainer's check before any work: this run's plan against this machine (or the memory
-    --host-mem-gib / --device-mem-gib say), and the shipped configs that fit."""
+    --host-mem-gib / --device-mem-gib say), and the shipped configs that fit. `pairs`: the
+    preference pairs of the run's data (0: other data)."""
     cap = capacity(
         device_mem_gib=device_mem_gib, host_mem_gib=host_mem_gib, nvme_dir=nvme_dir or "."
     )
@@ -88,6 +90,7 @@ def check_run(
         cap.nvme_bytes = (cap.nvme_bytes or 0) + _folder_bytes(Path(nvme_dir))
     micro = ds_cfg.get("train_micro_batch_size_per_gpu")
     kw = dict(seq_len=seq_len, ranks_per_host=ranks_per_host, device_type=cap.device_type)
+    kw["pairs"] = pairs  # preference data (plan.py)
     p = plan(
         shape,
         ds_cfg,

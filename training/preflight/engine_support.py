@@ -56,6 +56,7 @@ def check_chat_data(config: RunConfig, cfg: dict, cfg_path: str, manifest) -> No
     compose with: the loop weighs the loss by trained tokens through the engine's micro-batch
     loss, which the pipeline engine does not expose and Ulysses splits across ranks; packing
     needs the data's EOS only where examples end."""
+    check_objective(config, cfg, cfg_path, manifest)
     if getattr(manifest, "chat", None) is None:
         return
     if ds_config.pipeline_stages(cfg) > 1:
@@ -80,6 +81,33 @@ def check_chat_data(config: RunConfig, cfg: dict, cfg_path: str, manifest) -> No
                 continue  # an empty split: nothing to pack
             if problem:
                 raise ConfigError(problem)
+
+
+def check_objective(config: RunConfig, cfg: dict, cfg_path: str, manifest) -> None:
+    """--objective against the data: the DPO family needs preference pairs, which train only
+    with it, one pair per sample (no --doc-mask) and every rank its own batch (no tensor
+    parallelism: its ranks would share one)."""
+    from data.pairs import is_pairs
+
+    objective, pairs = config.optim.objective, is_pairs(manifest)
+    if objective in ("dpo", "ipo") and not pairs:
+        raise ConfigError(
+            f"--objective {objective} trains on preference pairs; {config.data.path} is not "
+            "(prepare prompt/chosen/rejected JSONL with data.prepare)"
+        )
+    if not pairs:
+        return
+    if objective == "next-token":
+        raise ConfigError(
+            f"{config.data.path} holds preference pairs: train them with --objective dpo or ipo"
+        )
+    if config.data.doc_mask:
+        raise ConfigError("--doc-mask with preference pairs: a sample is one pair; drop it")
+    if parallel.tensor_size(cfg) > 1:
+        raise ConfigError(
+            f"{cfg_path}: preference pairs with tensor parallelism are not supported; use a "
+            "ZeRO 0-3 config without it"
+        )
 
 
 def check_lora(

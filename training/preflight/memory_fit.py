@@ -63,7 +63,21 @@ def _verdict(config, cfg, cfg_path, shape, world, ranks_per_host, async_save):
         host_mem_gib=config.host.host_mem_gib,
         device_mem_gib=config.host.device_mem_gib,
         async_save=async_save,
+        pairs=_pairs(config.data.path),
     )
+
+
+def _pairs(spec: str) -> int:
+    """The preference pairs of the run's data, both splits (0 for other data)."""
+    from data.manifest import DataError, load_manifest
+    from data.mixture import parse_spec
+    from data.pairs import is_pairs
+
+    try:
+        manifest = load_manifest(parse_spec(spec)[0].folder)
+    except DataError:
+        return 0
+    return sum(manifest.chat["pairs"].values()) if is_pairs(manifest) else 0
 
 
 def _check_background(verdict, background: int, cfg_path: str) -> None:

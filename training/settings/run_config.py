@@ -210,6 +210,18 @@ class OptimConfig:
         high=2**32 - 1,
         need="in 0..2^32-1",
     )
+    objective: Literal["auto", "next-token", "dpo", "ipo"] = setting(
+        "auto",
+        "what the loss is: next-token prediction, or on preference pairs (data.prepare of "
+        "prompt/chosen/rejected rows) DPO's sigmoid loss or IPO's squared one, against the "
+        "starting model's log-probs computed once (auto: dpo on pairs, else next-token)",
+    )
+    dpo_beta: float = setting(
+        0.1,
+        "the DPO family's beta (IPO's tau): how far from the starting model the policy may go",
+        low=1e-6,
+        need="positive",
+    )
     max_bad_steps: int = setting(
         5,
         "stop after this many consecutive steps with a non-finite loss or gradient norm "

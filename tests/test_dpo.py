@@ -1,0 +1,249 @@
+"""Preference tuning (data/preference.py, data/pairs.py, training/objectives/): pairs prepared
+with the chat template and kept together in a batch, bad rows refused in one line, the DPO and
+IPO losses and rewards against a plain-PyTorch computation, and real 2-rank runs: one stopped
+and resumed bit for bit on the stored reference log-probs, and one under LoRA whose stored
+reference is the base with the adapters off."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import chat_tokenizer, launch, read_metrics, refused
+
+from data import prepare
+from data.examples import IGNORE_INDEX
+from data.pairs import PairDataset
+from data.reader import _to_xy
+from training.engines.construct import build_for_engine
+from training.objectives import PreferenceLoss
+
+SEQ = 64
+RUN = [
+    "--seq-len", "64", "--micro-batch", "2", "--log-every", "1", "--eval-every", "3",
+    "--eval-samples", "8", "--lr", "3e-3", "--warmup", "1", "--steps", "6", "--save-every", "3",
+    "--precision", "fp32", "--no-compile",
+]  # fmt: skip
+
+
+def pair_rows(n: int) -> list[dict]:
+    """`n` pairs in TRL's two shapes: text, and conversational with an implicit prompt."""
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append({"prompt": f"def f{i}(x):", "chosen": f"    return x + {i}",
+                        "rejected": f"    pass  # {i}"})  # fmt: skip
+        else:
+            user = {"role": "user", "content": f"Is {i} even?"}
+            out.append({"chosen": [user, {"role": "assistant", "content": "yes " * (i % 5 + 1)}],
+                        "rejected": [user, {"role": "assistant", "content": "no"}]})  # fmt: skip
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_data, tmp_path_factory) -> dict:
+    """Preference data from `pair_rows(48)`, 64-token sequences, and the tokenizer."""
+    base = tmp_path_factory.mktemp("pairs")
+    tok = chat_tokenizer(tiny_data, base / "tokenizer")
+    src = write_jsonl(base / "pairs.jsonl", pair_rows(48))
+    out = base / "pref"
+    prepare(src, out, tokenizer=tok, seq_len=SEQ, val_fraction=0.25, progress=False)
+    return {"data": out, "tokenizer": tok, "base": base}
+
+
+def test_pairs_keep_chosen_and_rejected_together_with_only_the_answer_trained(pairs):
+    ds = PairDataset(pairs["data"], "train", SEQ)
+    assert ds.manifest.chat["pairs"] == {"train": len(ds), "val": 12}
+    x, y, reference = _to_xy(np.stack([ds[i] for i in (3, 0, 5)]))
+    assert x.shape == y.shape == (6, SEQ) and torch.isnan(reference).all()
+    for k in range(3):  # rows 2k, 2k+1: one pair, the same prompt, different answers
+        c, r = (y[2 * k + s] != IGNORE_INDEX for s in (0, 1))
+        first = int(c.nonzero()[0])
+        assert first == int(r.nonzero()[0]) > 0 and torch.equal(
+            x[2 * k, :first], x[2 * k + 1, :first]
+        )
+        assert not torch.equal(x[2 * k], x[2 * k + 1])
+    ds.reference = np.arange(2 * len(ds), dtype=np.float64).reshape(-1, 2) - 0.5
+    _, _, reference = _to_xy(np.stack([ds[i] for i in (3, 0)]))
+    assert reference.tolist() == [5.5, 6.5, -0.5, 0.5]  # the pair's own, bit for bit
+
+
+@pytest.mark.parametrize(
+    "row, says",
+    [
+        ({"prompt": "p", "chosen": "a"}, "'rejected' is missing"),
+        ({"prompt": "p", "chosen": "a", "rejected": "a"}, "'chosen' and 'rejected' are the same"),
+        ({"chosen": "a", "rejected": "b"}, "need a text 'prompt'"),
+    ],
+)
+def test_bad_rows_are_refused_in_one_line_naming_file_and_row(pairs, row, says, tmp_path, capsys):
+    from data.prepare import main
+
+    src = write_jsonl(tmp_path / "bad.jsonl", [pair_rows(1)[0], row])
+    out = tmp_path / "out"
+    code = main(["--source", str(src), "--tokenizer", str(pairs["tokenizer"]), "--out", str(out),
+                 "--seq-len", "64", "--quiet"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"error: {src}:2: ") and "\n" not in err, err
+    assert says in err and not out.exists()
+
+
+def test_a_prompt_longer_than_the_sequence_drops_its_pair_and_is_counted(pairs, tmp_path):
+    rows = [{"prompt": "x " * 200, "chosen": "a", "rejected": "b"}, *pair_rows(2)]
+    out = prepare(write_jsonl(tmp_path / "long.jsonl", rows), tmp_path / "out", val_fraction=0,
+                  tokenizer=pairs["tokenizer"], seq_len=32, progress=False)  # fmt: skip
+    counts = json.loads((out / "manifest.json").read_text())["chat"]
+    assert counts["dropped_untrained"] == 1 and counts["pairs"]["train"] == 2
+
+
+def plain_logps(logits: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """Each row's summed log-prob of its trained targets, token by token."""
+    out = []
+    for row in range(len(y)):
+        total = torch.zeros((), dtype=torch.float32)
+        for t in range(y.shape[1]):
+            if y[row, t] != IGNORE_INDEX:
+                z = logits[row, t].float()
+                total = total + (z[y[row, t]] - torch.logsumexp(z, 0))
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dpo", "ipo"])
+def test_loss_and_rewards_equal_a_plain_pytorch_computation(pairs, kind):
+    ds = PairDataset(pairs["data"], "train", SEQ)
+    rng = np.random.default_rng(0)
+    ds.reference = -rng.uniform(5, 60, size=(len(ds), 2))
+    x, y, reference = _to_xy(np.stack([ds[i] for i in range(4)]))
+    torch.manual_seed(0)
+    model = build_for_engine("tiny", vocab_size=ds.manifest.vocab_size, backend="ddp", ds_config={})
+    beta = 0.3
+    objective = PreferenceLoss(kind, beta)
+    with torch.no_grad():
+        loss = objective(model, x, y, reference=reference)
+        logits = model(input_ids=x).logits
+    got = objective.take("eval", torch.device("cpu"))
+    pol, lengths = plain_logps(logits, y), (y != IGNORE_INDEX).sum(1)
+    losses, rc, rr, acc, prefers = [], [], [], [], []
+    for i in range(4):
+        pc, pr = pol[2 * i], pol[2 * i + 1]
+        fc, fr = float(reference[2 * i]), float(reference[2 * i + 1])
+        if kind == "ipo":  # per-token averages
+            pc, pr = pc / lengths[2 * i], pr / lengths[2 * i + 1]
+            fc, fr = fc / lengths[2 * i].item(), fr / lengths[2 * i + 1].item()
+        h = (pc - pr) - (fc - fr)
+        if kind == "dpo":
+            losses.append(-torch.log(torch.sigmoid(beta * h)))
+        else:
+            losses.append((h - 1 / (2 * beta)) ** 2)
+        rc.append(beta * (pc - fc))
+        rr.append(beta * (pr - fr))
+        acc.append(float(rc[-1] > rr[-1]))
+        prefers.append(float(pc > pr))
+    want = torch.stack(losses).mean()
+    assert abs(loss.item() - want.item()) <= 1e-6 * max(1.0, abs(want.item())), (loss, want)
+    assert got["rewards_chosen"] == pytest.approx(float(sum(rc) / 4), abs=1e-6)
+    assert got["rewards_rejected"] == pytest.approx(float(sum(rr) / 4), abs=1e-6)
+    assert got["accuracy"] == sum(acc) / 4 and 0 < got["accuracy"] < 1
+    assert got["prefers_chosen"] == sum(prefers) / 4
+    assert got["margin"] == pytest.approx(got["rewards_chosen"] - got["rewards_rejected"])
+
+
+def test_objective_and_data_must_match(tiny_data, pairs, tmp_path, capsys, monkeypatch):
+    base = ["--out", str(tmp_path / "run"), "--model", "tiny", "--steps", "1"]
+    err = refused(capsys, monkeypatch, tmp_path, ["--data", str(tiny_data), *base,
+                                                  "--objective", "dpo"])  # fmt: skip
+    assert "--objective dpo trains on preference pairs" in err
+    err = refused(capsys, monkeypatch, tmp_path, ["--data", str(pairs["data"]), *base,
+                                                  "--objective", "next-token"])  # fmt: skip
+    assert "holds preference pairs" in err
+
+
+@pytest.fixture(scope="module")
+def resumed(pairs) -> dict:
+    """2 ranks ZeRO-2 DPO: `ref` uninterrupted for 6 steps, `stopped` stopped at step 3 and
+    resumed to step 6 by the same command."""
+    runs = pairs["base"] / "runs"
+
+    def args(out):
+        return ["--data", str(pairs["data"]), "--out", str(out), "--model", "tiny", *RUN]
+
+    launch(args(runs / "ref"))
+    launch([*args(runs / "stopped"), "--stop-at", "3"])
+    stored = (runs / "stopped" / "reference" / "train.npy").read_bytes()
+    p = launch(args(runs / "stopped"))
+    return {"ref": runs / "ref", "stopped": runs / "stopped", "stored": stored, "log": p.stdout}
+
+
+@pytest.mark.slow
+def test_dpo_resumes_bit_for_bit_on_the_stored_reference(resumed):
+    """Three 2-rank launches (about 25 s each)."""
+    ref, again = read_metrics(resumed["ref"]), read_metrics(resumed["stopped"])
+    assert ref[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the policy is the reference
+    assert ref[-1]["loss"] < ref[0]["loss"] and ref[-1]["accuracy"] > 0.5
+    keys = ("loss", "rewards_chosen", "rewards_rejected", "accuracy", "logps_chosen", "grad_norm")
+    assert [[r[k] for k in keys] for r in again if r["step"] > 3] == [
+        [r[k] for k in keys] for r in ref if r["step"] > 3
+    ]
+    assert "train: 36 read back, val: 12 read back" in resumed["log"]
+    assert (resumed["stopped"] / "reference" / "train.npy").read_bytes() == resumed["stored"]
+    evals = read_metrics(resumed["ref"], "eval")
+    assert {"val_accuracy", "val_margin", "val_rewards_chosen"} <= evals[-1].keys()
+
+
+@pytest.mark.slow
+def test_lora_dpo_reference_is_the_base_with_adapters_off(pairs, tmp_path):
+    """A 2-rank LoRA run under the default config (ZeRO-2), then the stored reference
+    log-probs against peft's disable_adapter on the trained model."""
+    from models import build_model, save_llama
+    from training.checkpoints import layout as ckpt
+    from training.checkpoints.weights import load_lora_model
+    from training.objectives.dpo import sequence_logps
+
+    ds = PairDataset(pairs["data"], "train", SEQ)
+    torch.manual_seed(5)
+    base_model = build_model("tiny", vocab_size=ds.manifest.vocab_size)
+    base = tmp_path / "base"
+    save_llama(dict(base_model.named_parameters()), base_model.config, base)
+    out = tmp_path / "lora"
+    launch(["--data", str(pairs["data"]), "--out", str(out), "--model", str(base), *RUN,
+            "--steps", "3", "--lr", "1e-2", "--lora", "r=4,alpha=16,dropout=0.0"])  # fmt: skip
+    metrics = read_metrics(out)
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    root, tag = ckpt.locate(out)
+    model = load_lora_model(root, tag, ckpt.load_trainer_state(root, tag)).eval()
+    x, y, _ = _to_xy(np.stack([ds[i] for i in range(6)]))
+    stored = torch.from_numpy(np.load(out / "reference" / "train.npy")[:6].reshape(-1))
+    with torch.no_grad():
+        trained = sequence_logps(model(input_ids=x).logits, y)[0]
+        with model.disable_adapter():
+            off = sequence_logps(model(input_ids=x).logits, y)[0]
+    assert torch.allclose(off.double(), stored, atol=1e-4)
+    assert (trained.double() - stored).abs().max() > 1e-3  # the adapters did train
+
+
+def test_memory_plan_counts_pairs_and_their_stored_reference(pairs):
+    from models import get_config
+    from training.memory.plan import REFERENCE_BYTES, plan
+    from training.memory.shape import shape_of_config
+    from training.preflight.memory_fit import _pairs
+
+    n = _pairs(str(pairs["data"]))
+    assert n == 48  # both splits
+    shape = shape_of_config(get_config("small", vocab_size=8192), "small")
+    ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    text, pref = (plan(shape, ds, 2, micro_batch=4, seq_len=256, pairs=k) for k in (0, n))
+    # a micro-batch of 4 pairs is 8 sequences, with the fp32 log-softmax kept besides
+    assert pref.per_rank["activations"]["device"] > 2 * text.per_rank["activations"]["device"]
+    more = pref.per_rank["runtime"]["host"] - text.per_rank["runtime"]["host"]
+    assert more == REFERENCE_BYTES * n
