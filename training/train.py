@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from data import BatchLoader, DataError, TokenDataset, open_split
+from data.reader import parse_spans
 from models import (
     PRESETS,
     ModelError,
@@ -31,12 +32,14 @@ from models import (
     flops_per_token,
     set_attention_kernel,
     set_document_mask,
+    set_z_loss,
 )
 from models.hub import resolve_pretrained
 from models.lora import apply_lora
 from training.checkpoints.weights import folder_weights
 from training.engines import Engine, build_engine
 from training.engines.construct import build_for_engine
+from training.engines.spike_guard import SpikeGuard
 from training.errors import CheckpointError, ConfigError
 from training.guard import refused, run_guarded
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run
@@ -44,6 +47,7 @@ from training.loop.followups import Followups
 from training.loop.loop import LiveCeiling
 from training.loop.profile import StepProfiler, parse_span
 from training.loop.restore import restore
+from training.loop.rollback import Rollback
 from training.preflight import Prepared, prepare_run
 from training.record import (
     banner,
@@ -192,6 +196,8 @@ def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engi
     )
     attention = config.model.attention  # picked in preflight
     set_attention_kernel(model, attention)  # the pipeline engine sets its own layers' kernel
+    if config.model.z_loss:  # our model's loss (preflight refuses it elsewhere)
+        set_z_loss(model, config.model.z_loss)
     if config.data.doc_mask:  # documents end at EOS in the prepared data (data/shards.py)
         set_document_mask(model, prepared.manifest.eos_id)
     if config.model.activation_checkpointing:  # the flag, or the config's section
@@ -254,6 +260,7 @@ def make_loaders(
     loader = BatchLoader(
         train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, config.optim.seed
     )
+    loader.skip(parse_spans(config.data.skip_samples))
     return loader, open_split(config.data.path, "val", config.data.seq_len, pack)
 
 
@@ -325,6 +332,7 @@ def train_loop(t: Training) -> dict:
         device=dist.device,
         logger=logger,
     )
+    guard, rollback = safeguards(config.optim, engine, loader, dist, run_dir)
     return run(
         engine,
         loader,
@@ -334,7 +342,32 @@ def train_loop(t: Training) -> dict:
         logger=logger,
         saver=saver,
         evaluator=evaluator,
+        guard=guard,
+        rollback=rollback,
     )
+
+
+def safeguards(optim, engine: Engine, loader, dist: DistInfo, run_dir: Path):
+    """The spike guard (its gate set on the engine; None when off, and on the pipeline engine,
+    which steps inside one train_batch call) and the rollback past troubled data."""
+    guard = None
+    if optim.spike_sigmas > 0 and engine.name != "pipeline":
+        window = optim.spike_window
+        guard = SpikeGuard(optim.spike_sigmas, window, window // 2, dist.device)
+        engine.spike_gate = guard.gate
+    rollback = Rollback(
+        optim.rollback_after,
+        optim.rollback_window,
+        optim.max_rollbacks,
+        engine=engine,
+        loader=loader,
+        root=run_dir / "checkpoints",
+        rank=dist.rank,
+        world=dist.world,
+        run_dir=run_dir,
+        is_main=dist.is_main,
+    )
+    return guard, rollback
 
 
 def cli() -> None:

@@ -50,6 +50,9 @@ class Engine(ABC):
     blocks_whole = False  # ZeRO-3 gathers each transformer block whole (engines/ds.py)
     hold = False  # weights kept gathered across micro-steps (ZeRO-3, FSDP2 on one CPU host)
     sums_gradients = False  # ZeRO-1/2 sums gradients over a loss divided by the world (ds.py)
+    # engines/spike_guard.py's gate: step() hands it the global gradient norm before deciding
+    # whether to apply the update (None: no spike guard; the pipeline engine never has one)
+    spike_gate = None
 
     def __init__(self) -> None:
         initialized = dist.is_initialized()

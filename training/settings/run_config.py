@@ -62,6 +62,11 @@ class DataConfig:
         "at the data's EOS) and positions restart per document; chat data: several whole "
         "examples packed per sample; our model only, no pipeline",
     )
+    skip_samples: str = setting(
+        "",
+        "global sample positions never trained on, START:END[,START:END...] (end excluded), as a "
+        "rollback records them in metrics.jsonl and skipped_data.json",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +93,18 @@ class ModelConfig:
         "--doc-mask windows (GPUs only). auto, on a CPU: amx where the host runs it and "
         "--seq-len is a multiple of 64, else explicit up to --seq-len 512, then sdpa; with "
         "--doc-mask, sdpa (per document); on GPUs sdpa, flex with --doc-mask",
+    )
+    qk_norm: bool = setting(
+        False,
+        "RMSNorm of each head's queries and keys before the rotary embedding (Qwen3's, OLMo 2's: "
+        "steadier attention logits); a preset only; exports as Qwen3ForCausalLM",
+    )
+    z_loss: float = setting(
+        0.0,
+        "add this times the mean squared log of the softmax's normalizer (PaLM's z-loss, 1e-4 "
+        "there) to the loss, keeping the output logits from drifting; logged as z_loss; 0: off",
+        low=0,
+        need="0 (off) or more",
     )
     activation_checkpointing: bool = setting(
         False,
@@ -214,6 +231,35 @@ class OptimConfig:
         "(bf16/fp32; each is skipped on every rank)",
         low=1,
         need="at least 1",
+    )
+    spike_sigmas: float = setting(
+        6.0,
+        "skip a step (on every rank) whose loss or gradient norm is more than this many "
+        "standard deviations above its mean over the spike window's last steps; 0: off",
+        low=0,
+        need="0 (off) or more",
+    )
+    spike_window: int = setting(
+        128,
+        "the steps the spike guard's mean and deviation cover; it acts once half of them are in",
+        low=4,
+        need="at least 4",
+    )
+    rollback_after: int = setting(
+        3,
+        "this many skipped spikes or non-finite steps within the rollback window reload the last "
+        "checkpoint and skip the samples those steps read; 0: never roll back",
+        low=0,
+        need="0 (never) or more",
+    )
+    rollback_window: int = setting(
+        50, "the steps the rollback count covers", low=1, need="at least 1"
+    )
+    max_rollbacks: int = setting(
+        3,
+        "stop the run (exit 3) when trouble would roll it back more often than this",
+        low=0,
+        need="0 or more",
     )
 
 
