@@ -40,8 +40,8 @@ from training.checkpoints.weights import folder_weights
 from training.engines import Engine, build_engine
 from training.engines.construct import build_for_engine
 from training.engines.spike_guard import SpikeGuard
-from training.errors import CheckpointError, ConfigError
-from training.guard import refused, run_guarded
+from training.errors import HUNG, CheckpointError, ConfigError
+from training.guard import record_ending, refused, run_guarded
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run
 from training.loop.followups import Followups
 from training.loop.loop import LiveCeiling
@@ -57,7 +57,7 @@ from training.record import (
     trainer_facts,
     write_record,
 )
-from training.runtime import distributed, signals
+from training.runtime import distributed, hang, signals
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, ceiling_drift, model_shapes, run_ceiling
 from training.settings import flags, nvme
@@ -333,18 +333,35 @@ def train_loop(t: Training) -> dict:
         logger=logger,
     )
     guard, rollback = safeguards(config.optim, engine, loader, dist, run_dir)
-    return run(
-        engine,
-        loader,
-        t.state,
-        loop,
-        device=dist.device,
-        logger=logger,
-        saver=saver,
-        evaluator=evaluator,
-        guard=guard,
-        rollback=rollback,
-    )
+    watch_for_hangs(config, dist, run_dir)
+    try:
+        return run(
+            engine,
+            loader,
+            t.state,
+            loop,
+            device=dist.device,
+            logger=logger,
+            saver=saver,
+            evaluator=evaluator,
+            guard=guard,
+            rollback=rollback,
+        )
+    finally:
+        hang.stop()  # evaluation, saving and the end's work are no steps
+
+
+def watch_for_hangs(config: RunConfig, dist: DistInfo, run_dir: Path) -> None:
+    """The hang watch over the loop's steps (runtime/hang.py); rank 0 records the ending."""
+
+    def record(step: int, elapsed: float, limit: float) -> None:
+        why = f"step {step} ran {elapsed:.0f} s, past its limit of {limit:.0f} s"
+        record_ending(HUNG, why, rank=dist.rank)
+
+    engine = config.engine
+    on_hang = record if dist.is_main else None
+    last = min(config.optim.steps, config.checkpoint.stop_at or config.optim.steps)
+    hang.start(run_dir, dist.rank, engine.hang_factor, engine.hang_floor_s, on_hang, last)
 
 
 def safeguards(optim, engine: Engine, loader, dist: DistInfo, run_dir: Path):

@@ -179,6 +179,8 @@ class DeepSpeedEngine(Engine):
         the fp16 loss scale (bf16, fp32: 1)."""
         if self.spike_gate is None or self._plain_optimizer:  # the plain path gated above
             return None
+        if not patches.verified("spike_norm_check"):  # said once at start (preflight)
+            return None
         if not self.engine.fp16_enabled():
             return self.spike_gate
         scale = float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)

@@ -1,9 +1,12 @@
 """Skipping a step whose loss or gradient norm is far above its recent level, though finite.
 
-The rule (OLMo-core's SkipStepAdamW): once `warmup` steps are in the history, a step is a spike
-when its loss (the mean over every rank) or its global gradient norm is more than `sigmas`
-standard deviations above the mean of the last `window` accepted steps. A spike's figures do
-not enter the history, so one spike does not hide the next.
+The rule (OLMo-core's SkipStepAdamW, the gradient norm taken in log space): once `warmup` steps
+are in the history, a step is a spike when its loss (the mean over every rank) or the log of its
+global gradient norm is more than `sigmas` standard deviations above the mean over the last
+`window` accepted steps. Gradient norms vary by factors, not by amounts: on small batches their
+linear spread has a long upper tail that a linear rule skips as spikes
+(benchmarks/spike_rate.py measured it). A spike's figures do not enter the history, so one
+spike does not hide the next.
 
 Everything stays on the device: the history is a ring of tensors and the verdict a 0-dim
 tensor. It reaches the update through the one check every engine already makes before it
@@ -37,10 +40,14 @@ class SpikeGuard:
     """The rolling history and the verdict of the step in progress. Per step: `begin(loss)`
     before the engine steps, the engine calls `gate(norm)`, then `commit()`."""
 
-    def __init__(self, sigmas: float, window: int, warmup: int, device: torch.device):
+    def __init__(
+        self, sigmas: float, window: int, warmup: int, device: torch.device, log_norm: bool = True
+    ):
+        """`log_norm` False: OLMo-core's linear rule for the norm (benchmarks compare the two)."""
         self.sigmas, self.window, self.warmup = float(sigmas), int(window), int(warmup)
+        self.log_norm = log_norm
         self.device = device
-        # rows: loss, gradient norm; fp64 so a long run's figures keep their digits
+        # rows: loss, log gradient norm; fp64 so a long run's figures keep their digits
         self.history = torch.zeros(2, window, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # accepted so far
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
@@ -70,7 +77,7 @@ class SpikeGuard:
         t = torch.as_tensor(norm, dtype=torch.float64).to(self.device).reshape(())
         if not self._judged:
             self.norm = t.detach().clone()
-            self.spiked = self.spiked | self._above(self.norm, 1)
+            self.spiked = self.spiked | self._above(self._log(self.norm), 1)
             self._judged = True
         return torch.where(self.spiked, torch.full_like(t, math.inf), t)
 
@@ -80,7 +87,7 @@ class SpikeGuard:
         if self._judged:
             ok = ok & torch.isfinite(self.norm)
         slot = self.count % self.window
-        row = torch.stack([self.loss, torch.nan_to_num(self.norm, nan=0.0)])
+        row = torch.stack([self.loss, torch.nan_to_num(self._log(self.norm), nan=0.0)])
         if not self._judged:  # an engine that never gave its norm: keep the norm's row as it is
             row[1] = self.history[1, slot]
         old = self.history[:, slot]
@@ -90,7 +97,11 @@ class SpikeGuard:
     def figures(self) -> dict:
         """The step's loss and norm and the thresholds they were held to (host numbers: call only
         when logging)."""
-        loss, norm, lim_loss, lim_norm = torch.stack([self.loss, self.norm, *self.limits]).tolist()
+        norm_limit = self.limits[1].exp() if self.log_norm else self.limits[1]
+        limits = torch.stack([self.limits[0], norm_limit])
+        loss, norm, lim_loss, lim_norm = torch.cat(
+            [self.loss[None], self.norm[None], limits]
+        ).tolist()
         return {
             "loss": loss,
             "grad_norm": norm,
@@ -110,6 +121,9 @@ class SpikeGuard:
         var = (((self.history - mean[:, None]) * used) ** 2).sum(1) / torch.clamp(k - 1, min=1)
         limit = mean + self.sigmas * var.sqrt()
         return torch.where(n >= self.warmup, limit, torch.full_like(limit, math.inf))
+
+    def _log(self, norm: torch.Tensor) -> torch.Tensor:
+        return norm.clamp(min=1e-30).log() if self.log_norm else norm
 
     def _above(self, value: torch.Tensor, row: int) -> torch.Tensor:
         return torch.isfinite(value) & (value > self.limits[row])

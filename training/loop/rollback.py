@@ -12,7 +12,7 @@ from pathlib import Path
 
 from training.checkpoints import layout
 from training.errors import Diverged
-from training.runtime import safe_load
+from training.runtime import hang, safe_load
 
 RECORD = "skipped_data.json"
 
@@ -63,7 +63,11 @@ class Rollback:
                 f"the last good checkpoint is {tag or 'none'}. Lower --lr, raise --warmup, or check "
                 "the data; --rollback-after, --rollback-window and --max-rollbacks set this"
             )
-        self._reload(state, tag)
+        hang.pause()  # a reload is no step
+        try:
+            self._reload(state, tag)
+        finally:
+            hang.resume()
         spans = [list(s) for _, s in self.troubles]
         self.loader.skip([s for _, s in self.troubles])
         state.rollbacks += 1

@@ -362,6 +362,20 @@ class EngineConfig:
         low=1e-3,
         need="positive (seconds)",
     )
+    hang_factor: float = setting(
+        10.0,
+        "a step that runs this many times longer than the median of the last 20 (and at least "
+        "the hang floor) writes every rank's Python stacks into RUN/hang/ and ends the run with "
+        "exit 6, which the launch scripts restart; 0: no hang watch",
+        low=0,
+        need="0 (off) or more",
+    )
+    hang_floor_s: float = setting(
+        300.0,
+        "the shortest step, in seconds, that counts as hung",
+        low=1e-3,
+        need="positive (seconds)",
+    )
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment wins.
     local_rank: int | None = setting(None, aliases=["--local_rank"], hidden=True)
 
