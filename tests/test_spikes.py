@@ -41,6 +41,9 @@ def last_losses(out) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_a_poisoned_batch_is_rolled_back_and_skipped_exactly(tiny_data, tmp_path):
+    """Two 24-step 2-rank runs (over 60 s on 2 cores): the guard needs its warm-up and the
+    rollback a checkpoint before the poisoned step, and exactness needs the run that never met
+    the sample."""
     env, span = poison_env(tiny_data, 14)
     common = ["--steps", "24", "--save-every", "5", "--spike-window", "16"]
     hit = tmp_path / "hit"

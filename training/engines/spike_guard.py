@@ -86,12 +86,11 @@ class SpikeGuard:
         ok = ~self.spiked & torch.isfinite(self.loss)
         if self._judged:
             ok = ok & torch.isfinite(self.norm)
-        slot = self.count % self.window
-        row = torch.stack([self.loss, torch.nan_to_num(self._log(self.norm), nan=0.0)])
-        if not self._judged:  # an engine that never gave its norm: keep the norm's row as it is
-            row[1] = self.history[1, slot]
-        old = self.history[:, slot]
-        self.history[:, slot] = torch.where(ok, row, old)
+        slot = (self.count % self.window).reshape(1)  # a tensor index: no host read
+        old = self.history.index_select(1, slot)[:, 0]
+        norm = torch.nan_to_num(self._log(self.norm), nan=0.0) if self._judged else old[1]
+        row = torch.stack([self.loss, norm])  # (a norm never given keeps the row as it was)
+        self.history.index_copy_(1, slot, torch.where(ok, row, old)[:, None])
         self.count += ok.to(torch.int64)
 
     def figures(self) -> dict:
@@ -108,9 +107,6 @@ class SpikeGuard:
             "loss_limit": lim_loss,
             "grad_norm_limit": lim_norm,
         }
-
-    def state_dict(self) -> dict:
-        return {"history": self.history.cpu(), "count": int(self.count)}
 
     def _limits(self) -> torch.Tensor:
         """mean + sigmas * std of each row over the accepted history; infinite in the warm-up."""

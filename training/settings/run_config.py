@@ -233,7 +233,7 @@ class OptimConfig:
         need="at least 1",
     )
     spike_sigmas: float = setting(
-        6.0,
+        8.0,
         "skip a step (on every rank) whose loss or gradient norm is more than this many "
         "standard deviations above its mean over the spike window's last steps; 0: off",
         low=0,
