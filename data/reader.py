@@ -153,6 +153,14 @@ class BatchLoader:
         self.seed = seed
         self.consumed_samples = consumed_samples
         self._order = None  # the dataset's order for this seed (TokenDataset or Mixture)
+        # [start, end) spans of global positions never read: the batches of steps a rollback
+        # left behind (training/loop/rollback.py), or --skip-samples
+        self.skips: list[tuple[int, int]] = []
+
+    def skip(self, spans) -> None:
+        """Never read the global positions of `spans` ([start, end) pairs) from now on."""
+        merged = sorted({(int(a), int(b)) for a, b in [*self.skips, *spans] if b > a})
+        self.skips = merged
 
     @property
     def epoch(self) -> int:
@@ -168,25 +176,59 @@ class BatchLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y): LongTensors [micro_batch, seq_len], y = x shifted by one token (chat data:
         -100 where the loss mask does not train)."""
+        self._jump_skips()
         start = self.consumed_samples + self.rank * self.micro_batch
         idx = self.sample_indices(np.arange(start, start + self.micro_batch))
         self.consumed_samples += self.micro_batch * self.world
         return _to_xy(np.stack([self.dataset[int(i)] for i in idx]))
+
+    def _jump_skips(self) -> None:
+        # A batch that would touch a skipped span starts after it instead (every rank alike).
+        width = self.micro_batch * self.world
+        moved = True
+        while moved:
+            moved = False
+            for a, b in self.skips:
+                c = self.consumed_samples
+                if c < b and a < c + width:
+                    self.consumed_samples, moved = b, True
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, int]:
-        """What a checkpoint stores: samples consumed by all ranks together, and the seed."""
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
+        """What a checkpoint stores: samples consumed by all ranks together, the seed, and the
+        spans skipped (when there are any)."""
+        out = {"consumed_samples": self.consumed_samples, "seed": self.seed}
+        if self.skips:
+            out["skip"] = [list(s) for s in self.skips]
+        return out
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from `state_dict()`, saved on this or any other world size / micro batch."""
         self.consumed_samples = int(state["consumed_samples"])
+        self.skip(state.get("skip", []))  # with the spans this run already skips
         if int(state.get("seed", self.seed)) != self.seed:
             self.seed = int(state["seed"])  # the checkpoint's order wins, so resume is exact
             self._order = None
+
+
+def parse_spans(text: str) -> list[tuple[int, int]]:
+    """'100:104,200:208' -> [(100, 104), (200, 208)]; DataError in one line when malformed."""
+    spans = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        a, sep, b = part.partition(":")
+        try:
+            span = (int(a), int(b))
+        except ValueError:
+            span = None
+        if not sep or span is None or not 0 <= span[0] < span[1]:
+            raise DataError(
+                f"--skip-samples: {part!r} is not START:END with 0 <= START < END (integers)"
+            )
+        spans.append(span)
+    return spans
 
 
 def eval_batches(

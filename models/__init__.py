@@ -24,6 +24,7 @@ from models.llama import (
     set_attention_kernel,
     set_document_mask,
     set_sequence_parallel,
+    set_z_loss,
 )
 from models.pipeline import (
     model_state_dict_to_pipeline,
@@ -55,6 +56,7 @@ __all__ = [
     "save_llama",
     "set_attention_kernel",
     "set_document_mask",
+    "set_z_loss",
     "set_sequence_parallel",
     "to_llama_config",
     "to_llama_state_dict",

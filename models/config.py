@@ -42,6 +42,9 @@ class ZeroStackConfig(PretrainedConfig):
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
     use_cache: bool = True
+    # RMSNorm of each head's queries and keys before the rotary embedding (Qwen3's, OLMo 2's):
+    # steadier attention logits. The export then targets Qwen3ForCausalLM (models/hf_adapter.py).
+    qk_norm: bool = False
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:

@@ -1,4 +1,6 @@
-"""The one place that knows `transformers.LlamaForCausalLM`'s parameter names.
+"""The one place that knows `transformers.LlamaForCausalLM`'s parameter names, and Qwen3's,
+which are Llama's plus a per-head RMSNorm of queries and keys (`q_norm`, `k_norm`): a model
+with `qk_norm` exports as a stock `Qwen3ForCausalLM`, every other as `LlamaForCausalLM`.
 
 Our rotary embedding uses Hugging Face's `rotate_half` convention, so converting weights either way is pure
 renaming: no permutation of q/k, no reshaping. Configs map field by field.
@@ -8,7 +10,7 @@ import os
 import re
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from models.config import ZeroStackConfig
 from models.errors import ModelError
@@ -29,6 +31,8 @@ _PER_BLOCK = [
     ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
     ("feed_forward.w3.weight", "mlp.up_proj.weight"),
     ("feed_forward.w2.weight", "mlp.down_proj.weight"),
+    ("attention.q_norm.weight", "self_attn.q_norm.weight"),  # qk_norm (Qwen3) only
+    ("attention.k_norm.weight", "self_attn.k_norm.weight"),
 ]
 _OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _LLAMA_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -64,8 +68,11 @@ def from_llama_state_dict(sd: dict) -> dict:
     return _rename(sd, top, block, _LLAMA_BLOCK, "layers.", "Llama")
 
 
-def to_llama_config(config: ZeroStackConfig) -> LlamaConfig:
-    """Our config -> a LlamaConfig of the same shape, with `architectures=["LlamaForCausalLM"]`."""
+def to_llama_config(config: ZeroStackConfig) -> LlamaConfig | Qwen3Config:
+    """Our config -> a LlamaConfig of the same shape, with `architectures=["LlamaForCausalLM"]`;
+    with qk_norm a Qwen3Config (full attention in every layer, `Qwen3ForCausalLM`)."""
+    if getattr(config, "qk_norm", False):
+        return _to_qwen3_config(config)
     return LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -90,6 +97,31 @@ def to_llama_config(config: ZeroStackConfig) -> LlamaConfig:
     )
 
 
+def _to_qwen3_config(config: ZeroStackConfig) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        tie_word_embeddings=config.tie_word_embeddings,
+        initializer_range=config.initializer_range,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        attention_bias=False,
+        use_sliding_window=False,
+        architectures=["Qwen3ForCausalLM"],
+        dtype=config.dtype,
+    )
+
+
 def from_llama_config(llama_config: LlamaConfig) -> ZeroStackConfig:
     """A LlamaConfig -> our config. Raises ModelError for Llama variants our model does not implement."""
     rope = dict(llama_config.rope_parameters or {})
@@ -100,7 +132,8 @@ def from_llama_config(llama_config: LlamaConfig) -> ZeroStackConfig:
     unsupported = {
         "hidden_act": (llama_config.hidden_act, "silu"),
         "attention_bias": (bool(llama_config.attention_bias), False),
-        "mlp_bias": (bool(llama_config.mlp_bias), False),
+        "mlp_bias": (bool(getattr(llama_config, "mlp_bias", False)), False),
+        "use_sliding_window": (bool(getattr(llama_config, "use_sliding_window", False)), False),
         "rope_type": (rope.get("rope_type", "default"), "default"),
         "head_dim": (head_dim, llama_config.hidden_size // llama_config.num_attention_heads),
     }
@@ -124,6 +157,7 @@ def from_llama_config(llama_config: LlamaConfig) -> ZeroStackConfig:
         bos_token_id=llama_config.bos_token_id,
         eos_token_id=llama_config.eos_token_id,
         pad_token_id=llama_config.pad_token_id,
+        qk_norm=isinstance(llama_config, Qwen3Config),
     )
 
 
@@ -138,7 +172,7 @@ def save_llama(state_dict: dict, config: ZeroStackConfig, out_dir: str | os.Path
         llama_sd.pop("lm_head.weight", None)  # stored once, as embed_tokens
     llama_config.dtype = next(iter(llama_sd.values())).dtype
     with torch.device("meta"):
-        model = LlamaForCausalLM(llama_config)
+        model = (Qwen3ForCausalLM if config.qk_norm else LlamaForCausalLM)(llama_config)
     model.load_state_dict(llama_sd, strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]

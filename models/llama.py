@@ -146,6 +146,7 @@ class Attention(nn.Module):
         # (module, q, k, v) -> (batch, seq, features) or None: set_sequence_parallel()
         self.sequence_parallel = None
         self.n_heads = config.num_attention_heads
+        self.config_qk_norm = bool(getattr(config, "qk_norm", False))
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         h, std = config.hidden_size, config.initializer_range
@@ -156,12 +157,18 @@ class Attention(nn.Module):
         self.wo = _linear(
             self.n_heads * self.head_dim, h, std / math.sqrt(2 * config.num_hidden_layers)
         )
+        if config.qk_norm:  # per head, over head_dim, as Qwen3's q_norm / k_norm
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask=None, cache: Cache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism a rank holds a slice of the heads.
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        if self.config_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -274,6 +281,14 @@ def set_sequence_parallel(model: nn.Module, wrapper) -> int:
     return len(layers)
 
 
+def set_z_loss(model: nn.Module, coefficient: float) -> None:
+    """Train our model with a z-loss of `coefficient` (0: none). Raises ValueError for a model
+    that is not ours."""
+    if not isinstance(model, ZeroStackForCausalLM):
+        raise ValueError(f"the z-loss is zerostack's model's; {type(model).__name__} has none")
+    model.z_loss = float(coefficient)
+
+
 def set_document_mask(model: nn.Module, separator: int | None) -> None:
     """Make our model treat `separator` (the data's EOS) as the end of a document in its training
     windows: attention stays inside each document and rotary positions restart at each; None
@@ -345,26 +360,39 @@ class _CrossEntropyGradInForward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index: int, denominator, chunk_rows: int):
+    def forward(ctx, logits, targets, ignore_index: int, denominator, chunk_rows: int, z=None):
+        """`z` (a z-loss): [coefficient, None], its part of the loss written to z[1]."""
         grad = torch.empty_like(logits)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        z_total = torch.zeros((), dtype=torch.float32, device=logits.device)
         scale = 1.0 / denominator
         for start in range(0, logits.shape[0], chunk_rows):
             t = targets[start : start + chunk_rows]
             valid = (t != ignore_index).unsqueeze(1)
             t = t.masked_fill(~valid.squeeze(1), 0).unsqueeze(1)
-            logp = F.log_softmax(logits[start : start + chunk_rows], dim=1, dtype=torch.float32)
+            rows = logits[start : start + chunk_rows]
+            logp = F.log_softmax(rows, dim=1, dtype=torch.float32)
             total -= (logp.gather(1, t) * valid).sum()
             weight = valid * scale  # d(loss)/d(row loss): 0 for ignored rows
+            on_softmax = weight
+            if z is not None:  # + coef * lse^2 a row, whose gradient is 2 coef lse softmax
+                lse = rows[:, :1].float() - logp[:, :1]  # log of the normalizer
+                z_total += (lse.square() * valid).sum()
+                on_softmax = weight * (1 + 2 * z[0] * lse)
             # (softmax - onehot) * weight, in place of the chunk's log-softmax
-            grad[start : start + chunk_rows] = logp.exp_().mul_(weight).scatter_add_(1, t, -weight)
+            grad[start : start + chunk_rows] = (
+                logp.exp_().mul_(on_softmax).scatter_add_(1, t, -weight)
+            )
         ctx.save_for_backward(grad)
-        return total * scale
+        if z is None:
+            return total * scale
+        z[1] = (z_total * z[0] * scale).detach()
+        return (total + z[0] * z_total) * scale
 
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return grad * grad_output.to(grad.dtype), None, None, None, None
+        return grad * grad_output.to(grad.dtype), None, None, None, None, None
 
 
 def causal_lm_loss(
@@ -373,12 +401,15 @@ def causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
     num_items_in_batch: torch.Tensor | int | None = None,
+    z_loss: list | None = None,
 ) -> torch.Tensor:
     """Next-token cross-entropy in fp32, as transformers' ForCausalLMLoss.
 
     `labels` (batch, seq) are shifted here (position i predicts labels[i + 1]); `shift_labels`, if given, are
     already-shifted targets of the same length as the input and are used as they are. Targets equal to
     `ignore_index` do not count. With `num_items_in_batch` the sum is divided by it instead of taking the mean.
+    `z_loss` ([coefficient, None], training only): the loss adds coefficient x log(Z)^2 per counted token
+    (PaLM's z-loss, Z the softmax's normalizer), and its part of the loss is written to z_loss[1].
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -404,7 +435,9 @@ def causal_lm_loss(
             for i in range(0, logits.shape[0], chunk_rows)
         )
         return loss / denominator
-    return _CrossEntropyGradInForward.apply(logits, targets, ignore_index, denominator, chunk_rows)
+    return _CrossEntropyGradInForward.apply(
+        logits, targets, ignore_index, denominator, chunk_rows, z_loss
+    )
 
 
 # The output's KV-cache field: `cache` from transformers 5.24, `past_key_values` before.
@@ -433,6 +466,10 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         self.output = _linear(config.hidden_size, config.vocab_size, config.initializer_range)
         # Token id that ends documents in packed windows, or None: set_document_mask(); not config.
         self.document_separator: int | None = None
+        # z-loss coefficient in training (set_z_loss; not config), and the sum of its part of the
+        # loss over the training forwards since the loop last took it (a device tensor)
+        self.z_loss = 0.0
+        self.z_loss_sum: torch.Tensor | None = None
         self.post_init()  # initialises weights through _init_weights and ties output to tok_embeddings if asked
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -513,6 +550,7 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         logits = self.output(h)
 
         loss = None
+        z_term = [self.z_loss, None] if self.z_loss and torch.is_grad_enabled() else None
         if labels is not None:
             loss = causal_lm_loss(
                 logits,
@@ -520,7 +558,11 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
                 shift_labels,
                 ignore_index=kwargs.get("ignore_index", IGNORE_INDEX),
                 num_items_in_batch=kwargs.get("num_items_in_batch"),
+                z_loss=z_term,
             )
+            if z_term is not None:
+                z = z_term[1]
+                self.z_loss_sum = z if self.z_loss_sum is None else self.z_loss_sum + z
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
 
 

@@ -62,6 +62,13 @@ def test_fp16_loss_scaling_skips_overflows_and_resumes(tiny_data, tmp_path):
     assert skipped[0] >= 1 and skipped[-1] < 11  # overflows were skipped, then steps applied
     assert scales[0] < 2**20  # the scale came down from the initial 2^20
     assert any(b > a for a, b in zip(scales, scales[1:]))  # and grows again after clean windows
+    # each skip is counted under its reason and logged with the scale it left
+    overflows = read_metrics(straight, "overflow")
+    assert [x["total"] for x in overflows] == list(range(1, skipped[-1] + 1))
+    assert m[-1]["skipped_by"] == {"fp16 overflow": skipped[-1]}
+    assert {x["step"]: x["loss_scale"] for x in overflows}.items() <= {
+        x["step"]: x["loss_scale"] for x in m
+    }.items()
 
     split = tmp_path / "split"
     launch([*args, "--out", str(split), "--stop-at", "5"], script=script)
@@ -69,4 +76,5 @@ def test_fp16_loss_scaling_skips_overflows_and_resumes(tiny_data, tmp_path):
     r = read_metrics(split)
     assert [x["loss_scale"] for x in r] == scales  # the scaler resumed where it was
     assert [x["skipped"] for x in r] == skipped
+    assert r[-1]["skipped_by"] == m[-1]["skipped_by"]  # the reasons resumed too
     assert [x["loss"] for x in r] == [x["loss"] for x in m]

@@ -289,7 +289,8 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run(tiny_data, tmp_path):
     out = tmp_path / "nan"
     env = {"ZEROSTACK_TEST_NAN_STEPS": "3,5,6,7"}  # on rank 1 only: all ranks must skip
     r = launch(
-        args(tiny_data, out, "--max-bad-steps", "3", save_every=2),
+        # no rollback: this test is of the stop after --max-bad-steps (test_spikes.py rolls back)
+        args(tiny_data, out, "--max-bad-steps", "3", "--rollback-after", "0", save_every=2),
         env=env,
         check=False,
         script=NAN_TRAIN,
@@ -312,9 +313,26 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run(tiny_data, tmp_path):
     assert train[3]["loss"] is None and train[4]["loss"] is not None
     assert train[4]["skipped"] == 1 and train[4]["nonfinite"] == 1
     assert train[6]["skipped"] == 3
+    assert train[6]["skipped_by"] == {"non-finite loss": 3}
     # no checkpoint inside the bad run: step 6 was not saved, step 4 stays the latest
     assert (out / "checkpoints" / "latest").read_text() == "step_00000004"
     assert not (out / "checkpoints" / "step_00000006").exists()
+
+
+@pytest.mark.slow
+def test_deepspeeds_bf16_skip_of_a_finite_loss_is_counted_with_its_reason(tiny_data, tmp_path):
+    """NaN gradients behind a finite loss: DeepSpeed's bf16 overflow check skips the update on
+    its own (check_grad_overflow, DeepSpeed 0.19.3 on; without a line of its own), and the run
+    counts and logs it under its reason."""
+    out = tmp_path / "grad"
+    extra = ["--precision", "bf16", "--stop-at", "4", "--rollback-after", "0"]
+    env = {"ZEROSTACK_TEST_NAN_STEPS": "3", "ZEROSTACK_TEST_NAN_IN": "grad"}
+    launch(args(tiny_data, out, *extra), env=env, script=NAN_TRAIN)
+    (bad,) = read_metrics(out, "nonfinite")
+    assert (bad["step"], bad["loss_finite"], bad["update_skipped"]) == (3, True, True)
+    train = {x["step"]: x for x in read_metrics(out)}
+    assert train[2]["skipped"] == 0
+    assert train[4]["skipped"] == 1 and train[4]["skipped_by"] == {"non-finite gradient norm": 1}
 
 
 def _tensors(obj, prefix=""):

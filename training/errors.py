@@ -9,10 +9,12 @@ Exit codes: one per kind of ending, so a restart loop (or a person) can tell "re
     3   diverged: --max-bad-steps consecutive steps had a non-finite loss or gradient norm
     4   lost a rank: another rank died or stopped answering; re-run to resume
     5   could not write a checkpoint (disk full, quota, permissions); the previous one is intact
+    6   hung: a step ran far longer than the run's recent steps; every rank's Python stacks are
+        in RUN/hang/; re-run to resume
     75  preempted: SIGTERM, SIGUSR1 or Ctrl-C; a checkpoint was saved, re-run to resume
     130 a second Ctrl-C: stopped at once, without saving
 
-Restart loops (launch/local.sh) retry 1, 4 and 75 and stop on 0, 2, 3 and 5, which would only
+Restart loops (launch/local.sh) retry 1, 4, 6 and 75 and stop on 0, 2, 3 and 5, which would only
 fail the same way again. How a run is turned into one of these is training/guard.py.
 """
 
@@ -24,6 +26,7 @@ BAD_INPUT = 2
 DIVERGED = 3
 LOST_RANK = 4
 SAVE_FAILED = 5
+HUNG = 6
 PREEMPTED = 75  # EX_TEMPFAIL: try again later
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 

@@ -24,6 +24,7 @@ from training.errors import (
     BAD_INPUT,
     CRASHED,
     DIVERGED,
+    HUNG,
     INTERRUPTED,
     LOST_RANK,
     OK,
@@ -36,7 +37,7 @@ from training.errors import (
     SaveFailed,
 )
 from training.memory import oom
-from training.runtime import distributed, liveness, runlock, signals
+from training.runtime import distributed, hang, liveness, runlock, signals
 
 EXIT_RECORD = "exit.json"
 REFUSAL_GRACE_S = 3.0  # how long a refusing rank other than 0 waits before exiting
@@ -47,6 +48,7 @@ MEANINGS = {
     DIVERGED: "diverged",
     LOST_RANK: "lost a rank",
     SAVE_FAILED: "could not save a checkpoint",
+    HUNG: "hung",
     PREEMPTED: "preempted",
     INTERRUPTED: "interrupted",
 }
@@ -130,6 +132,7 @@ def _guarded(train, rank: int, world: int, run_dir) -> int:
         record_ending(CRASHED, f"rank {rank}: {why}", rank=rank, blamed=rank)
         raise
     finally:
+        hang.stop()
         if live:
             live.close()
     code = PREEMPTED if stop.honored else OK

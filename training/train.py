@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from data import BatchLoader, DataError, TokenDataset, open_split
+from data.reader import parse_spans
 from models import (
     PRESETS,
     ModelError,
@@ -32,19 +33,22 @@ from models import (
     sdpa_backend,
     set_attention_kernel,
     set_document_mask,
+    set_z_loss,
 )
 from models.hub import resolve_pretrained
 from models.lora import apply_lora
 from training.checkpoints.weights import folder_weights
 from training.engines import Engine, build_engine
 from training.engines.construct import build_for_engine
-from training.errors import CheckpointError, ConfigError
-from training.guard import refused, run_guarded
+from training.engines.spike_guard import SpikeGuard
+from training.errors import HUNG, CheckpointError, ConfigError
+from training.guard import record_ending, refused, run_guarded
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run
 from training.loop.followups import Followups
 from training.loop.loop import LiveCeiling
 from training.loop.profile import StepProfiler, parse_span
 from training.loop.restore import restore
+from training.loop.rollback import Rollback
 from training.preflight import Prepared, prepare_run
 from training.record import (
     banner,
@@ -54,7 +58,7 @@ from training.record import (
     trainer_facts,
     write_record,
 )
-from training.runtime import distributed, signals
+from training.runtime import distributed, hang, signals
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, ceiling_drift, model_shapes, run_ceiling
 from training.settings import flags, nvme
@@ -193,6 +197,8 @@ def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engi
     )
     attention = config.model.attention  # picked in preflight
     set_attention_kernel(model, attention)  # the pipeline engine sets its own layers' kernel
+    if config.model.z_loss:  # our model's loss (preflight refuses it elsewhere)
+        set_z_loss(model, config.model.z_loss)
     if config.data.doc_mask:  # documents end at EOS in the prepared data (data/shards.py)
         set_document_mask(model, prepared.manifest.eos_id)
     if config.model.activation_checkpointing:  # the flag, or the config's section
@@ -265,6 +271,7 @@ def make_loaders(
     loader = BatchLoader(
         train_ds, prepared.micro_batch, engine.dp_rank, engine.dp_world, config.optim.seed
     )
+    loader.skip(parse_spans(config.data.skip_samples))
     val_ds = open_split(config.data.path, "val", config.data.seq_len, pack)
     if getattr(train_ds, "pairs", False):
         use_preference(config, engine, train_ds, val_ds, started)
@@ -360,16 +367,59 @@ def train_loop(t: Training) -> dict:
         device=dist.device,
         logger=logger,
     )
-    return run(
-        engine,
-        loader,
-        t.state,
-        loop,
-        device=dist.device,
-        logger=logger,
-        saver=saver,
-        evaluator=evaluator,
+    guard, rollback = safeguards(config.optim, engine, loader, dist, run_dir)
+    watch_for_hangs(config, dist, run_dir)
+    try:
+        return run(
+            engine,
+            loader,
+            t.state,
+            loop,
+            device=dist.device,
+            logger=logger,
+            saver=saver,
+            evaluator=evaluator,
+            guard=guard,
+            rollback=rollback,
+        )
+    finally:
+        hang.stop()  # evaluation, saving and the end's work are no steps
+
+
+def watch_for_hangs(config: RunConfig, dist: DistInfo, run_dir: Path) -> None:
+    """The hang watch over the loop's steps (runtime/hang.py); rank 0 records the ending."""
+
+    def record(step: int, elapsed: float, limit: float) -> None:
+        why = f"step {step} ran {elapsed:.0f} s, past its limit of {limit:.0f} s"
+        record_ending(HUNG, why, rank=dist.rank)
+
+    engine = config.engine
+    on_hang = record if dist.is_main else None
+    last = min(config.optim.steps, config.checkpoint.stop_at or config.optim.steps)
+    hang.start(run_dir, dist.rank, engine.hang_factor, engine.hang_floor_s, on_hang, last)
+
+
+def safeguards(optim, engine: Engine, loader, dist: DistInfo, run_dir: Path):
+    """The spike guard (its gate set on the engine; None when off, and on the pipeline engine,
+    which steps inside one train_batch call) and the rollback past troubled data."""
+    guard = None
+    if optim.spike_sigmas > 0 and engine.name != "pipeline":
+        window = optim.spike_window
+        guard = SpikeGuard(optim.spike_sigmas, window, window // 2, dist.device)
+        engine.spike_gate = guard.gate
+    rollback = Rollback(
+        optim.rollback_after,
+        optim.rollback_window,
+        optim.max_rollbacks,
+        engine=engine,
+        loader=loader,
+        root=run_dir / "checkpoints",
+        rank=dist.rank,
+        world=dist.world,
+        run_dir=run_dir,
+        is_main=dist.is_main,
     )
+    return guard, rollback
 
 
 def cli() -> None:

@@ -2,9 +2,11 @@
 
     ZEROSTACK_TEST_NAN_STEPS=3,5,6   the (1-based) steps of this launch that go bad
     ZEROSTACK_TEST_NAN_RANK=1        the rank whose forward goes bad (default 1; 0 alone)
+    ZEROSTACK_TEST_NAN_IN=grad       the loss stays finite, the gradients go NaN (default: the
+                                     forward goes NaN, and the loss with it)
 
 The engine the trainer builds is wrapped: a forward hook on its input embeddings returns NaN
-while a listed step's micro-batches run (not during evaluation or the optimizer step). Never
+(or makes their gradient NaN) while a listed step's micro-batches run (not during evaluation or the optimizer step). Never
 used outside tests."""
 
 import math
@@ -28,8 +30,15 @@ def build_with_nans(*args, **kwargs):
     module = engine.module
     emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
 
+    in_grad = os.environ.get("ZEROSTACK_TEST_NAN_IN") == "grad"
+
     def hook(mod, inputs, output):
-        return output * math.nan if armed[0] and isinstance(output, torch.Tensor) else None
+        if not (armed[0] and isinstance(output, torch.Tensor)):
+            return None
+        if in_grad:  # the same output, whose gradient comes back NaN in backward
+            output.register_hook(lambda grad: grad * math.nan)
+            return None
+        return output * math.nan
 
     (emb or module).register_forward_hook(hook)
     forward_backward, step = engine.forward_backward, engine.step

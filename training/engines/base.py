@@ -58,6 +58,9 @@ class Engine(ABC):
     sums_gradients = False  # ZeRO-1/2 sums gradients over a loss divided by the world (ds.py)
     # What a micro-batch's loss is (training/objectives/: DPO on preference pairs)
     objective = staticmethod(next_token_loss)
+    # engines/spike_guard.py's gate: step() hands it the global gradient norm before deciding
+    # whether to apply the update (None: no spike guard; the pipeline engine never has one)
+    spike_gate = None
 
     def __init__(self) -> None:
         initialized = dist.is_initialized()

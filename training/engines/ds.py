@@ -21,6 +21,7 @@ from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.engines.sequence import SequenceParallel
+from training.engines.spike_guard import deepspeed_norm_checks
 from training.memory.state_bytes import state_bytes
 from training.runtime import patches, safe_load
 from training.settings import parallel
@@ -144,7 +145,8 @@ class DeepSpeedEngine(Engine):
         if forced:  # a torch optimizer has no skip path: stand its step down for this call
             self.engine.optimizer.step = lambda *args, **kwargs: stood_down.append(1)
         try:
-            self.engine.step()  # DeepSpeed's bookkeeping (counters, zeroing grads) still runs
+            with deepspeed_norm_checks(self._gate()):
+                self.engine.step()  # DeepSpeed's bookkeeping (counters, zeroing grads) still runs
         finally:
             if forced:
                 del self.engine.optimizer.step
@@ -167,7 +169,22 @@ class DeepSpeedEngine(Engine):
     def _grads_finite(self) -> bool:
         # ZeRO-0 has all-reduced the gradients by now, so every rank decides alike.
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+        if not grads:
+            return True
+        norm = torch.nn.utils.get_total_norm(grads)
+        return bool(torch.isfinite(self.spike_gate(norm) if self.spike_gate else norm))
+
+    def _gate(self):
+        """The spike gate as DeepSpeed's norm check needs it: the norm it checks is scaled by
+        the fp16 loss scale (bf16, fp32: 1)."""
+        if self.spike_gate is None or self._plain_optimizer:  # the plain path gated above
+            return None
+        if not patches.verified("spike_norm_check"):  # said once at start (preflight)
+            return None
+        if not self.engine.fp16_enabled():
+            return self.spike_gate
+        scale = float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)
+        return lambda norm: self.spike_gate(torch.as_tensor(norm) / scale)
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:

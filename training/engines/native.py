@@ -79,14 +79,16 @@ class NativeEngine(Engine):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
             self._agree_on_overflow()
-        norm = self._clip(params)
+        norm, gated = self._clip(params)
+        spike = math.isfinite(norm) and not math.isfinite(gated)
         if self.scaler:
             scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skips the update on inf/nan
+            if not spike:
+                self.scaler.step(self.optimizer)  # skips the update on inf/nan
             self.scaler.update()
-            skipped = self.scaler.get_scale() < scale
+            skipped = spike or self.scaler.get_scale() < scale
         else:
-            skipped = not math.isfinite(norm)
+            skipped = not math.isfinite(gated)
             if not skipped:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -96,15 +98,18 @@ class NativeEngine(Engine):
             self.scaler.get_scale() if self.scaler else None,
         )
 
-    def _clip(self, params) -> float:
-        """The global gradient norm before clipping (clipped to grad_clip when it is set)."""
+    def _clip(self, params) -> tuple[float, float]:
+        """The global gradient norm before clipping (clipped to grad_clip when it is set), and
+        the same through the spike gate (infinite for a spike: nothing is applied)."""
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if hasattr(norm, "full_tensor"):  # FSDP2: a norm over sharded DTensor gradients
             norm = norm.full_tensor()
+        gated = self.spike_gate(norm).to(norm.dtype) if self.spike_gate else norm
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=True)
-        return norm.item()
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, gated, foreach=True)
+        both = torch.stack([norm.float(), gated.float()]).tolist()  # the step's one host read
+        return both[0], both[1]
 
     def _agree_on_overflow(self) -> None:
         # With sharded gradients each rank sees only its shard's inf/nan: all must skip together.

@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from data.examples import IGNORE_INDEX
 from training.engines.base import Engine, StepResult
+from training.loop import skips
 from training.loop.divergence import BadStepCounter
 from training.loop.profile import StepProfiler
 from training.loop.saver import Saver
@@ -33,6 +34,8 @@ class LoopState:
     tokens: int = 0  # tokens trained on, all ranks
     skipped: int = 0  # updates not applied (fp16 overflow, non-finite)
     nonfinite: int = 0  # bf16/fp32 steps with a non-finite loss or gradient norm
+    skipped_by: dict = field(default_factory=dict)  # reason -> skipped steps (loop/skips.py)
+    rollbacks: int = 0  # reloads past troubled data (loop/rollback.py)
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class Agreed:
     by_rank: int  # which rank received it
     loss_bad: bool
     skipped: bool
+    spiked: bool = False  # the spike guard skipped it (engines/spike_guard.py)
 
 
 def run(
@@ -145,14 +149,15 @@ def run(
     logger,
     saver: Saver,
     evaluator: Evaluator,
+    guard=None,
+    rollback=None,
 ) -> dict:
-    """Train until config.steps (or --stop-at, or an agreed stop signal: then
-    `signals.current().honored` is set); returns the last evaluation. Raises Diverged after
-    --max-bad-steps consecutive non-finite steps."""
+    """Train until config.steps (or --stop-at, or an agreed stop signal: then `signals.current()
+    .honored`); returns the last evaluation. Raises Diverged (see _rolled_back, BadStepCounter)."""
     stop = signals.current()
     bad_steps = BadStepCounter(config.max_bad_steps, state.nonfinite)
     timer = StepTimer()
-    losses = LossMeter(device)
+    losses = LossMeter(device, engine.module)
     first_step = state.step
     engine.train()
     profiler = config.profiler
@@ -171,6 +176,7 @@ def run(
         step_loss = _micro_batches(
             engine, loader, config.grad_accum, device, count_states, timer, config.token_weighted
         )
+        span = _judged(loader, config.grad_accum, guard, step_loss)
         result = engine.step()
         state.step += 1
         if config.compiled and state.step == first_step + 1:  # torch.compile runs in step 1
@@ -180,11 +186,13 @@ def run(
             )
         state.tokens += config.tokens_per_step
         liveness.note_step(state.step)
-        agreed = _agree(stop, step_loss, result, device)
+        agreed = _agree(stop, step_loss, result, device, guard)
         state.skipped += int(agreed.skipped)
         bad = _count_nonfinite(agreed, result, state, bad_steps, saver, logger)
-        if not bad:
-            losses.add(step_loss, config.grad_accum)
+        if _rolled_back(agreed, result, state, guard, rollback, span, saver, logger, bad_steps):
+            losses.take()  # the mean of steps left behind
+            continue
+        losses.add(step_loss, config.grad_accum, keep=not bad)
         timer.tick()
         if profiler:
             profiler.after_step(state.step, logger)
@@ -213,6 +221,30 @@ def run(
     return evaluator.last
 
 
+def _judged(loader, grad_accum: int, guard, step_loss) -> tuple[int, int]:
+    """Before the engine steps: the spike guard (engines/spike_guard.py, its gate set on the
+    engine; None: off) judges the step's loss. Returns the [start, end) global samples the step
+    read (the reader's position is their end)."""
+    if guard is not None:
+        guard.begin(step_loss)
+    end = loader.consumed_samples
+    return end - loader.micro_batch * loader.world * grad_accum, end
+
+
+def _rolled_back(agreed, result, state, guard, rollback, span, saver, logger, bad_steps) -> bool:
+    """Count a skipped step under its reason, give the spike guard the step, and roll the run
+    back when its trouble is due (`rollback`: loop/rollback.py's, or None). Returns whether it
+    rolled back."""
+    why = skips.account(agreed, result, state, guard, logger)
+    if guard is not None:
+        guard.commit()
+    trouble = why in (skips.SPIKE, skips.NONFINITE_LOSS, skips.NONFINITE_NORM)
+    if rollback is None or not rollback.note(state, trouble, span, saver, logger):
+        return False
+    bad_steps.in_a_row = 0
+    return True
+
+
 def _stop_here(agreed, state: LoopState, saver: Saver, saved, stop, logger) -> None:
     """Save at this step, say where a re-run resumes, and mark the stop signal honored."""
     resume_from = saver.stop(state, saved)
@@ -227,20 +259,34 @@ def _stop_here(agreed, state: LoopState, saver: Saver, saved, stop, logger) -> N
 
 
 class LossMeter:
-    """The mean micro-batch loss since the last log line, kept on the device (no host sync per
-    step)."""
+    """The mean micro-batch loss since the last log line, and the z-loss's part of it (our
+    model's z_loss_sum, --z-loss), kept on the device (no host sync per step)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, model=None):
         self.sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.z = torch.zeros((), dtype=torch.float32, device=device)
         self.count = 0
+        self.model = model
+        self.z_mean = float("nan")  # of the last take(); nan without a z-loss
 
-    def add(self, step_loss: torch.Tensor, micro_batches: int) -> None:
+    def add(self, step_loss: torch.Tensor, micro_batches: int, keep: bool = True) -> None:
+        """A step's summed micro-batch loss; `keep` False (a bad step): dropped."""
+        z = getattr(self.model, "z_loss_sum", None)
+        if z is not None:
+            self.model.z_loss_sum = None  # this step's, taken
+        if not keep:
+            return
         self.sum += step_loss
+        self.z = self.z + z if z is not None else self.z
         self.count += micro_batches
 
     def take(self) -> float:
-        mean = self.sum.item() / self.count if self.count else float("nan")
+        has_z = getattr(self.model, "z_loss", 0)
+        mean, z = torch.stack([self.sum, self.z]).tolist() if self.count else (math.nan,) * 2
+        mean, z = mean / max(self.count, 1), z / max(self.count, 1)
+        self.z_mean = z if has_z else math.nan
         self.sum.zero_()
+        self.z.zero_()
         self.count = 0
         return mean
 
@@ -302,20 +348,21 @@ def log_state_bytes(engine, logger, step: int) -> None:
     )
 
 
-def _agree(stop, step_loss: torch.Tensor, result: StepResult, device) -> Agreed:
+def _agree(stop, step_loss: torch.Tensor, result: StepResult, device, guard=None) -> Agreed:
     """One small collective per step: every rank learns of a stop signal, a non-finite loss and
     a skipped update anywhere, so they all count, log and stop alike."""
-    signum, by, loss_bad, skipped = all_reduce_scalars(
+    signum, by, loss_bad, skipped, spiked = all_reduce_scalars(
         [
             stop.signum,
             stop.rank + 1 if stop.requested else 0,
             float(not torch.isfinite(step_loss)),
             float(result.skipped),
+            float(guard.spiked) if guard is not None else 0.0,
         ],
         device,
         op="max",
     )
-    return Agreed(int(signum), int(by) - 1, bool(loss_bad), bool(skipped))
+    return Agreed(int(signum), int(by) - 1, bool(loss_bad), bool(skipped), bool(spiked))
 
 
 def _count_nonfinite(
@@ -324,6 +371,7 @@ def _count_nonfinite(
     """Whether this step was bad (logged, and counted toward --max-bad-steps)."""
     # fp16: a skipped update with a finite loss is an overflow, the loss scaler's business.
     bad = agreed.loss_bad or (agreed.skipped and result.loss_scale is None)
+    bad = bad and not agreed.spiked  # a spike is counted as one (loop/skips.py)
     if bad:
         in_a_row, total = bad_steps.in_a_row + 1, bad_steps.total + 1
         what = "gradient norm" if not agreed.loss_bad else "loss"
@@ -348,7 +396,9 @@ def _count_nonfinite(
 def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, logger, extra) -> None:
     steps, seconds = timer.lap()
     grad_norm = result.grad_norm if result.grad_norm is not None else float("nan")
-    mean_loss, grad_norm = all_reduce_scalars([losses.take(), grad_norm], device)
+    mean_loss, grad_norm, z_loss = all_reduce_scalars(
+        [losses.take(), grad_norm, losses.z_mean], device
+    )
     tps = steps * config.tokens_per_step / seconds
     # The fastest rank's tokens/s decides a re-probe, so every rank agrees to join it.
     mem, fastest = all_reduce_scalars([peak_memory_bytes(device), tps], device, op="max")
@@ -358,7 +408,8 @@ def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, log
         {
             "kind": "train",
             "step": state.step,
-            "loss": None if math.isnan(mean_loss) else mean_loss,
+            "loss": None if math.isnan(mean_loss) else mean_loss,  # the z-loss's part included
+            **({} if math.isnan(z_loss) else {"z_loss": z_loss}),
             "lr": lr,
             "grad_norm": None if math.isnan(grad_norm) else grad_norm,
             "tokens_per_s": tps,
@@ -366,6 +417,7 @@ def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, log
             "mfu_peak_flops": config.ceiling.peak_flops,  # against: the run's ceiling, all ranks
             "peak_mem_gb": mem / 2**30,  # the highest rank's
             "skipped": state.skipped,
+            "skipped_by": dict(state.skipped_by),
             "nonfinite": state.nonfinite,
             "tokens": state.tokens,
             **({"loss_scale": result.loss_scale} if result.loss_scale else {}),

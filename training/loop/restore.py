@@ -29,5 +29,10 @@ def restore(plan: ResumePlan, engine: Engine, loader, rank: int, world: int) -> 
     if saved.get("world") == world and rank < len(rngs):
         layout.set_rng_state(rngs[rank])
     return LoopState(
-        saved["step"], saved["tokens"], saved.get("skipped", 0), saved.get("nonfinite", 0)
+        saved["step"],
+        saved["tokens"],
+        saved.get("skipped", 0),
+        saved.get("nonfinite", 0),
+        dict(saved.get("skipped_by", {})),
+        saved.get("rollbacks", 0),
     )

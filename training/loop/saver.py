@@ -69,6 +69,8 @@ class Saver:
             "tokens": state.tokens,
             "skipped": state.skipped,
             "nonfinite": state.nonfinite,
+            "skipped_by": dict(state.skipped_by),
+            "rollbacks": state.rollbacks,
             "data": self.loader.state_dict(),
             "world": self.world,
             **self.run_facts,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+from training.runtime import hang
+
 
 class StepTimer:
     def __init__(self) -> None:
@@ -14,16 +16,19 @@ class StepTimer:
         self.steps = 0
 
     def tick(self) -> None:
-        """One optimizer step done."""
+        """One optimizer step done (the hang watch, runtime/hang.py, times steps by it too)."""
         self.steps += 1
+        hang.step_done()
 
     @contextmanager
     def paused(self):
-        """Time spent inside does not count as training time."""
+        """Time spent inside does not count as training time, nor toward a hung step."""
         t0 = time.perf_counter()
+        hang.pause()
         try:
             yield
         finally:
+            hang.resume()
             self._paused += time.perf_counter() - t0
 
     def lap(self) -> tuple[int, float]:

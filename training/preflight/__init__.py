@@ -133,7 +133,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     raw, cfg_path = load_config(config, device)
     log = rank0_printer(rank)
     manifest = load_data(config.data.path, config.data.seq_len, verify=True, log=log)
-    overrides = model_overrides(config.model.name, config.data.seq_len)
+    overrides = model_overrides(config.model.name, config.data.seq_len, config.model.qk_norm)
     model_cfg = model_config(config.model.name, manifest.vocab_size, overrides)
     check_lengths(config, model_cfg, manifest)
     raw = nvme.override_path(raw, config.engine.nvme_path, cfg_path)

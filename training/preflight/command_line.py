@@ -7,6 +7,8 @@ import importlib.util
 import math
 import os
 
+from data.manifest import DataError
+from data.reader import parse_spans
 from training.errors import ConfigError
 from training.loop.profile import parse_span
 from training.settings.run_config import RunConfig, flat, settings
@@ -35,6 +37,10 @@ def check_flags(config: RunConfig) -> None:
             raise ConfigError(
                 f"--profile {config.logging.profile}: the run has {config.optim.steps} steps"
             )
+    try:
+        parse_spans(config.data.skip_samples)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
     if config.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             "--wandb: the wandb package is not installed; pip install wandb (or drop --wandb)"

@@ -16,12 +16,16 @@ from training.runtime import safe_load
 from training.settings.run_config import RunConfig
 
 
-def model_overrides(spec: str, seq_len: int) -> dict:
+def model_overrides(spec: str, seq_len: int, qk_norm: bool = False) -> dict:
     """A preset has no trained positions: a --seq-len beyond its max_position_embeddings (long
-    context) widens the rotary range it is built with. A folder's positions are its own."""
+    context) widens the rotary range it is built with. A folder's positions are its own.
+    --qk-norm builds a preset with a norm of each head's queries and keys (presets only)."""
+    if qk_norm and spec not in PRESETS:
+        raise ConfigError(f"--qk-norm: builds one of our presets; --model {spec} is not one")
+    out = {"qk_norm": True} if qk_norm else {}
     if spec in PRESETS and seq_len > get_config(spec).max_position_embeddings:
-        return {"max_position_embeddings": seq_len}
-    return {}
+        out["max_position_embeddings"] = seq_len
+    return out
 
 
 def model_config(spec: str, vocab_size: int, overrides: dict | None = None):
@@ -124,6 +128,9 @@ def check_model(config: RunConfig, model_cfg, manifest, stages: int, cfg_path: s
             "(presets, our exports, Llama folders): transformers' SDPA models ignore document "
             "boundaries in position_ids. Drop the flag"
         )
+    if config.model.z_loss and (not ours or stages > 1):
+        where = f"{cfg_path}: the pipeline's stages" if ours else f"{config.model.name} ({kind})"
+        raise ConfigError(f"--z-loss: {where} do not take it; it is our model's loss. Drop it")
     if config.data.doc_mask and stages > 1:
         raise ConfigError(
             f"{cfg_path}: --doc-mask does not reach the pipeline's stages (only hidden states "

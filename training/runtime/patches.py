@@ -68,6 +68,16 @@ PATCHES: dict[str, Patch] = {
         "tests/test_mfu.py::test_fsdp_hold_across_micro_steps_trains_alike: patched only (the "
         "held whole gradients are counted: twice the sharded run's)",
     ),
+    "spike_norm_check": Patch(
+        "deepspeed",
+        "0.19.8",
+        "0.19.8",
+        "engines/spike_guard.py wraps is_invalid_grad_norm in DeepSpeed's ZeRO-1/2, ZeRO-3, bf16 "
+        "and fp16 optimizer modules while the engine steps, so a spike's norm reads as invalid; "
+        "stock: the spike guard judges and logs steps under DeepSpeed but does not skip them",
+        "tests/test_spikes.py::test_the_spike_guard_skips_on_every_engine: patched only (zero3: "
+        "the spike leaves the weights as they were; the rollback test runs ZeRO-2)",
+    ),
     "staged_checkpoint_engine": Patch(
         "deepspeed",
         "0.19.8",

@@ -62,6 +62,11 @@ class DataConfig:
         "at the data's EOS) and positions restart per document; chat data: several whole "
         "examples packed per sample; our model only, no pipeline",
     )
+    skip_samples: str = setting(
+        "",
+        "global sample positions never trained on, START:END[,START:END...] (end excluded), as a "
+        "rollback records them in metrics.jsonl and skipped_data.json",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +95,18 @@ class ModelConfig:
         "--doc-mask, sdpa (per document); on GPUs sdpa, flex with --doc-mask. For sdpa the run "
         "names the kernel torch's dispatcher takes on its device (flash, memory-efficient, cuDNN "
         "or math) in its banner and resolved_config.json",
+    )
+    qk_norm: bool = setting(
+        False,
+        "RMSNorm of each head's queries and keys before the rotary embedding (Qwen3's, OLMo 2's: "
+        "steadier attention logits); a preset only; exports as Qwen3ForCausalLM",
+    )
+    z_loss: float = setting(
+        0.0,
+        "add this times the mean squared log of the softmax's normalizer (PaLM's z-loss, 1e-4 "
+        "there) to the loss, keeping the output logits from drifting; logged as z_loss; 0: off",
+        low=0,
+        need="0 (off) or more",
     )
     activation_checkpointing: bool = setting(
         False,
@@ -229,6 +246,35 @@ class OptimConfig:
         low=1,
         need="at least 1",
     )
+    spike_sigmas: float = setting(
+        8.0,
+        "skip a step (on every rank) whose loss or gradient norm is more than this many "
+        "standard deviations above its mean over the spike window's last steps; 0: off",
+        low=0,
+        need="0 (off) or more",
+    )
+    spike_window: int = setting(
+        128,
+        "the steps the spike guard's mean and deviation cover; it acts once half of them are in",
+        low=4,
+        need="at least 4",
+    )
+    rollback_after: int = setting(
+        3,
+        "this many skipped spikes or non-finite steps within the rollback window reload the last "
+        "checkpoint and skip the samples those steps read; 0: never roll back",
+        low=0,
+        need="0 (never) or more",
+    )
+    rollback_window: int = setting(
+        50, "the steps the rollback count covers", low=1, need="at least 1"
+    )
+    max_rollbacks: int = setting(
+        3,
+        "stop the run (exit 3) when trouble would roll it back more often than this",
+        low=0,
+        need="0 or more",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,6 +373,20 @@ class EngineConfig:
     dist_timeout: float = setting(
         600.0,
         "seconds before a collective gives up (a hung rank is named after this)",
+        low=1e-3,
+        need="positive (seconds)",
+    )
+    hang_factor: float = setting(
+        10.0,
+        "a step that runs this many times longer than the median of the last 20 (and at least "
+        "the hang floor) writes every rank's Python stacks into RUN/hang/ and ends the run with "
+        "exit 6, which the launch scripts restart; 0: no hang watch",
+        low=0,
+        need="0 (off) or more",
+    )
+    hang_floor_s: float = setting(
+        300.0,
+        "the shortest step, in seconds, that counts as hung",
         low=1e-3,
         need="positive (seconds)",
     )

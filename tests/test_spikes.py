@@ -1,0 +1,119 @@
+"""Loss spikes: a poisoned sample (a huge but finite loss, tests/scripts/spike_train.py) is
+skipped by the spike guard on every rank and engine, and a rollback takes the run back past it
+to the losses of a run whose data never had it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_RUN, launch, read_metrics
+
+SPIKE_TRAIN = "tests/scripts/spike_train.py"
+MICRO, WORLD = 2, 2  # TINY_RUN's micro-batch, the launch's ranks
+
+
+def poison_env(data, step: int) -> tuple[dict, tuple[int, int]]:
+    """The environment that poisons rank 1's first sample of `step` (1-based), and the global
+    samples that step reads. The poison is the sample's first 16 tokens, unique in the split."""
+    from data import open_split
+    from data.reader import BatchLoader
+
+    ds = open_split(data, "train", 64, False)
+    start = (step - 1) * MICRO * WORLD
+    loader = BatchLoader(ds, MICRO, 1, WORLD, 1234)
+    mark = ds[int(loader.sample_indices(np.array([start + MICRO]))[0])][:16]
+    assert sum(bool((ds[i][:16] == mark).all()) for i in range(len(ds))) == 1
+    env = {"ZEROSTACK_TEST_POISON": ",".join(map(str, mark.tolist()))}
+    return env, (start, start + MICRO * WORLD)
+
+
+def run_args(data, out, *extra):
+    return ["--data", str(data), "--out", str(out), *TINY_RUN, *extra]
+
+
+def last_losses(out) -> dict[int, float]:
+    """Each step's loss as the run last logged it (a rollback logs the replayed steps again)."""
+    return {r["step"]: r["loss"] for r in read_metrics(out)}
+
+
+@pytest.mark.slow
+def test_a_poisoned_batch_is_rolled_back_and_skipped_exactly(tiny_data, tmp_path):
+    """Two 24-step 2-rank runs (over 60 s on 2 cores): the guard needs its warm-up and the
+    rollback a checkpoint before the poisoned step, and exactness needs the run that never met
+    the sample."""
+    env, span = poison_env(tiny_data, 14)
+    common = ["--steps", "24", "--save-every", "5", "--spike-window", "16"]
+    hit = tmp_path / "hit"
+    launch(run_args(tiny_data, hit, *common, "--rollback-after", "1"), env=env, script=SPIKE_TRAIN)
+    (spike,) = read_metrics(hit, "spike")
+    assert spike["step"] == 14
+    assert spike["loss"] > spike["loss_limit"] and spike["grad_norm"] > spike["grad_norm_limit"]
+    (back,) = read_metrics(hit, "rollback")
+    assert (back["step"], back["to_step"], back["checkpoint"]) == (14, 10, "step_00000010")
+    assert back["skipped_samples"] == [list(span)]
+    said = json.loads((hit / "skipped_data.json").read_text())
+    assert said["skip_samples"] == f"{span[0]}:{span[1]}"
+    rows = read_metrics(hit)
+    assert [r["step"] for r in rows] == [*range(1, 14), *range(11, 25)]  # 11-13 replayed
+    assert rows[-1]["skipped"] == 1 and rows[-1]["skipped_by"] == {"spike": 1}
+
+    # The same data and poison, the samples skipped from the start: never met
+    clean = tmp_path / "clean"
+    skip = f"{span[0]}:{span[1]}"
+    launch(run_args(tiny_data, clean, *common, "--skip-samples", skip), env=env, script=SPIKE_TRAIN)
+    assert not read_metrics(clean, "spike")
+    assert last_losses(hit) == last_losses(clean)  # every step, bit for bit
+
+
+def _weights(folder, config: str) -> dict:
+    if config == "fsdp":
+        from training.engines.fsdp import load_full_state_dict
+
+        return load_full_state_dict(folder)
+    from test_reliability import _state
+
+    return _state(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["zero3", "ddp", "fsdp"])
+def test_the_spike_guard_skips_on_every_engine(tiny_data, tmp_path, config):
+    engine = {"ddp": ["--backend", "ddp"], "fsdp": ["--backend", "fsdp"]}.get(
+        config, ["--ds_config", f"ds_configs/{config}.json"]
+    )
+    env, _ = poison_env(tiny_data, 10)
+    out = tmp_path / "run"
+    extra = ["--spike-window", "8", "--rollback-after", "0", "--stop-at", "10", "--keep-last", "0"]
+    launch(
+        run_args(tiny_data, out, *engine, *extra, "--steps", "12", "--save-every", "1"),
+        env=env,
+        script=SPIKE_TRAIN,
+    )
+    (spike,) = read_metrics(out, "spike")
+    assert spike["step"] == 10 and spike["loss"] > spike["loss_limit"]
+    rows = {r["step"]: r for r in read_metrics(out)}
+    assert rows[10]["skipped_by"] == {"spike": 1} and rows[9]["skipped"] == 0
+    assert not read_metrics(out, "nonfinite")  # a spike is not counted as non-finite
+    s8, s9, s10 = (_weights(out / "checkpoints" / f"step_{i:08d}", config) for i in (8, 9, 10))
+    assert any(not s8[k].equal(s9[k]) for k in s8)  # a normal step changes the weights ...
+    assert all(s9[k].equal(s10[k]) for k in s9)  # ... the spike changed nothing
+
+
+def test_the_guard_flags_a_spike_only_after_its_warmup():
+    from training.engines.spike_guard import SpikeGuard
+
+    guard = SpikeGuard(6.0, 16, 8, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    flagged = []
+    for i in range(40):
+        loss = 5.0 - 0.01 * i + rng.normal(0, 0.05) + (50.0 if i in (4, 30) else 0.0)
+        guard.begin(torch.tensor(loss))
+        gated = guard.gate(torch.tensor(1.0 + rng.normal(0, 0.05) + (9.0 if i == 33 else 0.0)))
+        assert bool(torch.isinf(gated)) == bool(guard.spiked)
+        flagged.append(bool(guard.spiked))
+        guard.commit()
+    # step 4's jump is inside the warm-up; 30 by its loss, 33 by its gradient norm
+    assert [i for i, f in enumerate(flagged) if f] == [30, 33]

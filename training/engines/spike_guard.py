@@ -1,0 +1,152 @@
+"""Skipping a step whose loss or gradient norm is far above its recent level, though finite.
+
+The rule (OLMo-core's SkipStepAdamW, the gradient norm taken in log space): once `warmup` steps
+are in the history, a step is a spike when its loss (the mean over every rank) or the log of its
+global gradient norm is more than `sigmas` standard deviations above the mean over the last
+`window` accepted steps. Gradient norms vary by factors, not by amounts: on small batches their
+linear spread has a long upper tail that a linear rule skips as spikes
+(benchmarks/spike_rate.py measured it). A spike's figures do not enter the history, so one
+spike does not hide the next.
+
+Everything stays on the device: the history is a ring of tensors and the verdict a 0-dim
+tensor. It reaches the update through the one check every engine already makes before it
+steps: the engine hands its global gradient norm to `gate`, which returns it unchanged, or
+infinite for a spike, and the engine's own non-finite rule (DeepSpeed's overflow check,
+engines/native.py's) skips the update. The loss and the norm are the same on every rank
+(the loss is all-reduced, the norm is global), so every rank skips alike."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+
+import torch
+import torch.distributed as dist
+
+# DeepSpeed's optimizer wrappers (ZeRO-1/2, ZeRO-3, bf16, fp16) each decide a skip by calling
+# this function on their global norm, a name each imports into its own module.
+DEEPSPEED_NORM_CHECKS = (
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.runtime.zero.stage3",
+    "deepspeed.runtime.bf16_optimizer",
+    "deepspeed.runtime.fp16.fused_optimizer",
+    "deepspeed.runtime.fp16.unfused_optimizer",
+)
+CHECK_NAME = "is_invalid_grad_norm"
+
+
+class SpikeGuard:
+    """The rolling history and the verdict of the step in progress. Per step: `begin(loss)`
+    before the engine steps, the engine calls `gate(norm)`, then `commit()`."""
+
+    def __init__(
+        self, sigmas: float, window: int, warmup: int, device: torch.device, log_norm: bool = True
+    ):
+        """`log_norm` False: OLMo-core's linear rule for the norm (benchmarks compare the two)."""
+        self.sigmas, self.window, self.warmup = float(sigmas), int(window), int(warmup)
+        self.log_norm = log_norm
+        self.device = device
+        # rows: loss, log gradient norm; fp64 so a long run's figures keep their digits
+        self.history = torch.zeros(2, window, dtype=torch.float64, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # accepted so far
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.norm = torch.full((), math.nan, dtype=torch.float64, device=device)
+        self.spiked = torch.zeros((), dtype=torch.bool, device=device)
+        self.limits = torch.full((2,), math.inf, dtype=torch.float64, device=device)
+        self._judged = False
+
+    def begin(self, step_loss: torch.Tensor) -> None:
+        """The step's summed micro-batch loss on this rank; its mean over the ranks is judged.
+        All ranks call (one all-reduce of one number, on the device)."""
+        loss = step_loss.detach().to(torch.float64).reshape(())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss)
+            loss = loss / dist.get_world_size()
+        self.loss = loss
+        self.norm = torch.full((), math.nan, dtype=torch.float64, device=self.device)
+        self.limits = self._limits()
+        self.spiked = self._above(loss, 0)
+        self._judged = False
+
+    def gate(self, norm):
+        """The engine's global gradient norm (a tensor or a number), or infinity when the step is
+        a spike by its loss or by this norm. Called at most once per step (a second call, as in
+        DeepSpeed's fp16 wrapper that checks twice, returns the same verdict)."""
+        t = torch.as_tensor(norm, dtype=torch.float64).to(self.device).reshape(())
+        if not self._judged:
+            self.norm = t.detach().clone()
+            self.spiked = self.spiked | self._above(self._log(self.norm), 1)
+            self._judged = True
+        return torch.where(self.spiked, torch.full_like(t, math.inf), t)
+
+    def commit(self) -> None:
+        """Add the step's figures to the history, unless it was a spike or not finite."""
+        ok = ~self.spiked & torch.isfinite(self.loss)
+        if self._judged:
+            ok = ok & torch.isfinite(self.norm)
+        slot = (self.count % self.window).reshape(1)  # a tensor index: no host read
+        old = self.history.index_select(1, slot)[:, 0]
+        norm = torch.nan_to_num(self._log(self.norm), nan=0.0) if self._judged else old[1]
+        row = torch.stack([self.loss, norm])  # (a norm never given keeps the row as it was)
+        self.history.index_copy_(1, slot, torch.where(ok, row, old)[:, None])
+        self.count += ok.to(torch.int64)
+
+    def figures(self) -> dict:
+        """The step's loss and norm and the thresholds they were held to (host numbers: call only
+        when logging)."""
+        norm_limit = self.limits[1].exp() if self.log_norm else self.limits[1]
+        limits = torch.stack([self.limits[0], norm_limit])
+        loss, norm, lim_loss, lim_norm = torch.cat(
+            [self.loss[None], self.norm[None], limits]
+        ).tolist()
+        return {
+            "loss": loss,
+            "grad_norm": norm,
+            "loss_limit": lim_loss,
+            "grad_norm_limit": lim_norm,
+        }
+
+    def _limits(self) -> torch.Tensor:
+        """mean + sigmas * std of each row over the accepted history; infinite in the warm-up."""
+        n = torch.clamp(self.count, max=self.window)
+        used = (torch.arange(self.window, device=self.device) < n).to(torch.float64)
+        k = torch.clamp(n, min=1).to(torch.float64)
+        mean = (self.history * used).sum(1) / k
+        var = (((self.history - mean[:, None]) * used) ** 2).sum(1) / torch.clamp(k - 1, min=1)
+        limit = mean + self.sigmas * var.sqrt()
+        return torch.where(n >= self.warmup, limit, torch.full_like(limit, math.inf))
+
+    def _log(self, norm: torch.Tensor) -> torch.Tensor:
+        return norm.clamp(min=1e-30).log() if self.log_norm else norm
+
+    def _above(self, value: torch.Tensor, row: int) -> torch.Tensor:
+        return torch.isfinite(value) & (value > self.limits[row])
+
+
+@contextlib.contextmanager
+def deepspeed_norm_checks(gate):
+    """While DeepSpeed's engine steps: its optimizer wrappers' norm check sees `gate(norm)`, so
+    a spike is skipped by DeepSpeed's own overflow path (counters, zeroed gradients, and the
+    same decision on every rank). The check already reads its answer on the host, so the gate
+    adds no host sync. `gate` None: nothing changes."""
+    if gate is None:
+        yield
+        return
+    patched = []
+    for name in DEEPSPEED_NORM_CHECKS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        own = getattr(module, CHECK_NAME, None)
+        if own is None:
+            continue
+        setattr(module, CHECK_NAME, lambda norm, own=own: own(gate(norm)))
+        patched.append((module, own))
+    try:
+        yield
+    finally:
+        for module, own in patched:
+            setattr(module, CHECK_NAME, own)
