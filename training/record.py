@@ -54,6 +54,7 @@ def run_record(
         "compiled": facts.get("compiled"),  # --compile: what torch.compile compiled
         "data": data_record(prepared.config.data.path, prepared.manifest),
         "world": dist.world,
+        "launched_by": dist.launcher,  # whose variables gave the rank (runtime/launcher.py)
         # world = data x tensor x sequence x pipeline (settings/parallel.py)
         "parallel": asdict(parallel.layout(prepared.ds_config, dist.world, "config"))
         | {"data": engine.dp_world},
@@ -70,7 +71,7 @@ def run_record(
         "backend": dist.backend,
         # every behaviour switch as preflight resolved it, and why (training/preflight/switches.py)
         "switches": prepared.switches.as_record(),
-        # how many ranks run on this host, and which launcher said so (preflight/hosts.py)
+        # how many ranks run on this host, and which launcher said so (runtime/launcher.py)
         "host_layout": prepared.host
         and {
             "launcher": prepared.host.launcher,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from training.record import (
     trainer_facts,
     write_record,
 )
-from training.runtime import distributed, signals
+from training.runtime import distributed, launcher, signals
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, ceiling_drift, model_shapes, run_ceiling
 from training.settings import flags, nvme
@@ -64,8 +63,11 @@ __all__ = ["RunConfig", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    try:
+        here = launcher.read()  # srun, mpirun, torchrun, deepspeed: whichever started us
+    except ConfigError as e:
+        return refused(e, -1, 1)  # no rank to trust: every process says it
+    world, rank = here.world, here.rank
     try:
         config = flags.parse(argv)
         prepared = prepare_run(config, world, rank)
