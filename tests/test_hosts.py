@@ -159,7 +159,7 @@ def test_two_launches_get_two_ports():
         ({**SRUN, "SLURM_PROCID": "one"}, "SLURM_PROCID='one' is not a whole number"),
         ({**MPIRUN, "OMPI_COMM_WORLD_SIZE": "2.0"}, "OMPI_COMM_WORLD_SIZE='2.0'"),
         ({"RANK": "0", "WORLD_SIZE": "x"}, "WORLD_SIZE='x'"),
-        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 of WORLD_SIZE=2"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not in 0..WORLD_SIZE-1"),
         ({**MPIRUN, "MASTER_PORT": "99999"}, "MASTER_PORT=99999 is not a TCP port"),
         ({**HYDRA}, "mpich started 4 ranks on more than one host without MASTER_ADDR"),
     ],

@@ -128,7 +128,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     check_flags(config)
     followups = plan_followups(config)
     check_out(config)
-    check_launch_env(world)
+    check_launch_env()
     device = accelerator().device_name()
     raw, cfg_path = load_config(config, device)
     log = rank0_printer(rank)

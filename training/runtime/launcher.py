@@ -91,8 +91,8 @@ def read(env: Mapping[str, str] | None = None) -> Launch:
         local = _integer(env, local_name, "0")
         if not (world >= 1 and 0 <= rank < world and local >= 0):
             raise ConfigError(
-                f"the launcher says {rank_name}={rank} of {world_name}={world}: a rank must be "
-                "from 0 to the world size - 1"
+                f"{rank_name}={rank} is not in 0..{world_name}-1 ({world_name}={world}); "
+                "a launcher's rank is below its world size"
             )
         addr, port = master(env, launcher, world)
         if launcher == "torchrun" and "LOCAL_SIZE" in env and "LOCAL_WORLD_SIZE" not in env:
