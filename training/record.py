@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from data import BatchLoader
-from data.mixture import parse_spec
+from data.mixture import fingerprint, parse_spec
 from models.hub import resolve_pretrained
 from training.runtime import cluster, patches
 from training.runtime.shm import routed_dtypes as shm_routed_dtypes
@@ -66,6 +66,8 @@ def run_record(
             "checkpoint": str(resume.root / resume.tag),
             "universal": resume.universal,
             "why": resume.why,
+            # what it changes of the checkpoint's recipe, asked by --allow-recipe-change
+            "recipe_changes": prepared.recipe_changes,
         },
         **({"accelerate": accelerate_state} if accelerate_state else {}),
         "backend": dist.backend,
@@ -117,6 +119,7 @@ def data_record(spec: str, manifest) -> dict:
     return {
         "dir": str(Path(parse_spec(spec)[0].folder).resolve()),
         "spec": spec,
+        "sha256": fingerprint(spec),  # manifests and weights: a resume compares it
         "source": manifest.source,
         "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None),
     }
@@ -160,6 +163,10 @@ def trainer_facts(record: dict) -> dict:
         "model": flags["model"],
         "data_dir": record["data"]["dir"],
         "seq_len": flags["seq_len"],
+        # the rest of the recipe a resume holds to (preflight/recipe_change.py)
+        "global_batch": cfg["train_batch_size"],
+        "micro_batch": cfg["train_micro_batch_size_per_gpu"],
+        "data_sha256": record["data"].get("sha256"),
         "model_config": record["model_config"],
         "precision": record["precision"],  # an "auto" resume keeps it (exact resume)
         # --lora: the adapters' spec, and the frozen model they sit on (what export loads)

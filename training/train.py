@@ -177,6 +177,7 @@ def open_logger(
         write_record(run_dir, record, prepared.manifest)
         batch = (prepared.micro_batch, prepared.grad_accum, dp_world, config.data.seq_len)
         logger.console(banner(record, batch) + resumed(started.resume))
+    log_recipe_change(prepared.recipe_changes, logger, step)
     return logger
 
 
@@ -275,6 +276,18 @@ class Training:
     record: dict  # resolved_config.json's content
     reprobe: Callable[[], float] | None  # the matmul ceiling again (None: it was not measured)
     followups: Followups | None = None  # rank 0's background work on sealed checkpoints
+
+
+def log_recipe_change(changes: dict, logger: RunLogger, step: int) -> None:
+    """A resume that changes the recipe, as --allow-recipe-change asked: kept in metrics.jsonl
+    and said on the console (the record holds it too)."""
+    if not changes:
+        return
+    said = ", ".join(
+        f"{k} {str(v['from'])[:12]} -> {str(v['to'])[:12]}" for k, v in changes.items()
+    )
+    logger.log({"kind": "recipe_change", "step": step, "changes": changes})
+    logger.console(f"recipe changed at step {step} (--allow-recipe-change): {said}")
 
 
 def train_loop(t: Training) -> dict:
