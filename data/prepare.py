@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from data.files import scratch_folder
+from data.files import scratch_folder, why_unwritable
 from data.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -82,6 +82,8 @@ def prepare(
     from data.chat import is_chat_source
 
     out = Path(out)
+    if (why := why_unwritable(out)) is not None:
+        raise DataError(f"--out: {why}")
     chat = is_chat_source(str(source)) if chat is None else chat
     if val_fraction is None:  # "auto": 0.5%, or enough of a small corpus (shards.py)
         val_fraction = _auto_val_fraction(out, source, max_docs, chat)
