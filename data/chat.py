@@ -25,7 +25,7 @@ import numpy as np
 
 from data.manifest import SPLITS, DataError, SplitInfo
 from data.shards import ShardWriter, split_of
-from data.sources import json_row
+from data.sources import json_row, jsonl_lines
 
 ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "completion", "all")
@@ -54,13 +54,12 @@ def is_chat_source(source: str) -> bool:
         files = chat_files(source)
     except DataError:
         return False
-    with open(files[0], encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), None)
-    if first is None:
-        return False
     try:
-        row = json_row(first, files[0], 1)
-    except DataError:
+        first = next(jsonl_lines(files[0]), None)
+        row = first and json_row(first[1], files[0], first[0])
+    except DataError:  # not text, not JSON: read as a text source, which says what is wrong
+        return False
+    if not row:
         return False
     return "messages" in row or {"prompt", "completion"} <= row.keys() or "instruction" in row
 
@@ -68,11 +67,9 @@ def is_chat_source(source: str) -> bool:
 def rows(files: list[Path]) -> Iterator[tuple[str, list[dict[str, str]]]]:
     """("FILE:ROW", its messages) of every non-empty line, in order."""
     for path in files:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    where = f"{path}:{lineno}"
-                    yield where, to_messages(json_row(line, path, lineno), where)
+        for lineno, line in jsonl_lines(path):
+            where = f"{path}:{lineno}"
+            yield where, to_messages(json_row(line, path, lineno), where)
 
 
 def to_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:

@@ -34,6 +34,22 @@ def pid_alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
+def why_unwritable(out: Path) -> str | None:
+    """Why a folder cannot be written at `out` (one line), or None: a path on the way that is a
+    file, or a folder this user cannot write in. Checked before any work."""
+    out = Path(out).absolute()
+    if out.exists() and not out.is_dir():
+        return f"{out} is a file, not a folder"
+    here = out if out.exists() else out.parent
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        return f"cannot make {out}: {here} is a file, not a folder"
+    if not os.access(here, os.W_OK | os.X_OK):
+        return f"cannot make {out}: no permission to write in {here}"
+    return None
+
+
 def scratch_folder(out: Path) -> Path:
     """A fresh hidden folder beside `out` to write it in, `.NAME.partial-HOST-PID`, published by
     renaming it to `out` once complete. Folders left for the same `out` by writers on this host

@@ -28,7 +28,9 @@ from data.files import sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-STAMP = ".verified.json"  # what verify_shards found, so the next start hashes only what changed
+# what verify_shards found, so the next start hashes only what changed; an older version kept
+# it in the data folder as DIR/.verified.json
+STAMP = ".verified.json"
 TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "val")
 _SPLIT_ALIASES = {"validation": "val", "valid": "val", "eval": "val"}
@@ -156,6 +158,75 @@ def write_manifest(data_dir: Path, manifest: Manifest) -> None:
     os.replace(tmp, Path(data_dir) / MANIFEST)
 
 
+# What each field of manifest.json holds (a hand-edited or damaged manifest is refused naming
+# the field, before anything reads it): the top level, each split, each shard.
+_NAT, _TEXT, _OPT_NAT, _OPT_TEXT = (
+    "a whole number >= 0",
+    "text",
+    "a whole number or null",
+    "text or null",
+)
+TOP_FIELDS = {
+    "format_version": _NAT, "source": _TEXT, "source_detail": _TEXT, "vocab_size": _NAT,
+    "eos_id": _NAT, "bos_id": _OPT_NAT, "pad_id": _OPT_NAT, "dtype": _TEXT,
+    "tokenizer_sha256": _TEXT, "args": "an object", "splits": "an object", "chat": "an object or null",
+}  # fmt: skip
+SPLIT_FIELDS = {"documents": _NAT, "tokens": _NAT, "bytes": _NAT, "shards": "a list"}
+SHARD_FIELDS = {
+    "file": _TEXT, "tokens": _NAT, "documents": _NAT, "sha256": _TEXT, "index_file": _TEXT,
+    "index_sha256": _TEXT, "mask_file": _OPT_TEXT, "mask_sha256": _OPT_TEXT,
+}  # fmt: skip
+OPTIONAL = {"chat", "mask_file", "mask_sha256"}
+
+
+def _holds(value: Any, kind: str) -> bool:
+    nat = type(value) is int and value >= 0
+    return {
+        _NAT: nat,
+        _OPT_NAT: value is None or nat,
+        _TEXT: isinstance(value, str),
+        _OPT_TEXT: value is None or isinstance(value, str),
+        "an object": isinstance(value, dict),
+        "an object or null": value is None or isinstance(value, dict),
+        "a list": isinstance(value, list),
+    }[kind]
+
+
+def _check_fields(obj: Any, fields: dict[str, str], where: str) -> None:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where} must be an object, got {type(obj).__name__}")
+    for key, kind in fields.items():
+        if key not in obj:
+            if key in OPTIONAL:
+                continue
+            raise DataError(f"{where} has no {key!r}")
+        if not _holds(obj[key], kind):
+            raise DataError(f"{where}: {key} must be {kind}, got {json.dumps(obj[key])[:40]}")
+    unknown = sorted(set(obj) - set(fields))
+    if unknown:
+        raise DataError(f"{where}: unknown field {unknown[0]!r}")
+
+
+def check_schema(obj: Any, path: Path) -> None:
+    """manifest.json's fields and their types, and shard files named inside the folder;
+    DataError naming the first field that is wrong."""
+    _check_fields(obj, TOP_FIELDS, str(path))
+    chat = obj.get("chat")
+    if chat is not None and not _holds(chat.get("longest"), _NAT):  # what check_fits reads
+        raise DataError(f"{path}: chat.longest must be {_NAT}, got {chat.get('longest')!r}")
+    if obj["dtype"] not in ("uint16", "uint32"):
+        raise DataError(f"{path}: dtype must be uint16 or uint32, got {obj['dtype']!r}")
+    for name, split in obj["splits"].items():
+        _check_fields(split, SPLIT_FIELDS, f"{path}: split {name!r}")
+        for k, shard in enumerate(split["shards"]):
+            where = f"{path}: split {name!r} shard {k}"
+            _check_fields(shard, SHARD_FIELDS, where)
+            for key in ("file", "index_file", "mask_file"):
+                f = shard.get(key)
+                if f is not None and (Path(f).name != f or f in ("", ".", "..")):
+                    raise DataError(f"{where}: {key} {f!r} is not a file name in the folder")
+
+
 def _from_json(obj: dict[str, Any], data_dir: Path) -> Manifest:
     splits = {
         name: SplitInfo(
@@ -187,14 +258,16 @@ def load_manifest(data_dir: str | os.PathLike, verify: bool = False) -> Manifest
         )
     try:
         obj = json.loads(path.read_text())
-        version = obj.get("format_version")
+        version = obj.get("format_version") if isinstance(obj, dict) else None
         if version != FORMAT_VERSION:
             raise DataError(
                 f"{path}: format version {version}, this code reads {FORMAT_VERSION}; "
                 "prepare the data again"
             )
+        check_schema(obj, path)
         manifest = _from_json(obj, data_dir)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        np.dtype(manifest.dtype)
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise DataError(f"{path} is not a valid manifest ({type(e).__name__}: {e})") from None
     itemsize = np.dtype(manifest.dtype).itemsize
     for split in manifest.splits.values():
@@ -223,8 +296,8 @@ def _check_file(path: Path, size: int | None, sha256: str | None) -> None:
 
 def verify_shards(data_dir: str | os.PathLike, log=None) -> Manifest:
     """load_manifest's checks plus every shard's and index's sha256, hashed in parallel threads
-    and only once per file: a stamp (DIR/.verified.json, or a per-user cache file when DIR is
-    read-only) keeps each verified file's size, mtime and ctime, and a file whose stat still
+    and only once per file: a stamp (a per-user cache file, ~/.cache/zerostack/verified/, one per
+    folder) keeps each verified file's size, mtime and ctime, and a file whose stat still
     matches is not read again. Raises DataError naming the first damaged file."""
     manifest = load_manifest(data_dir)
     d = Path(data_dir)
@@ -268,8 +341,8 @@ def _fingerprint(path: Path, sha256: str) -> list:
 
 
 def _stamp_path(data_dir: Path) -> Path:
-    if os.access(data_dir, os.W_OK):
-        return data_dir / STAMP
+    """The stamp of `data_dir`, in the user's cache: the data folder is the user's input, and a
+    run (refused or not) leaves it as it was."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zerostack"
     key = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
     return cache / "verified" / f"{key}.json"

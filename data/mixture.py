@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.manifest import DataError, Manifest, load_manifest, verify_shards
+from data.manifest import MANIFEST, DataError, Manifest, load_manifest, verify_shards
 
 BLOCK = 4096  # positions per block: each source's share is exact to one sample at its end
 _MIX_KEY = 0x6D6978  # "mix": keeps the block shuffles apart from every epoch permutation
@@ -87,6 +87,20 @@ def _name(folder: str, i: int, raw: list) -> str:
     name = Path(folder).name or folder
     same = [f for f, _ in raw if (Path(f).name or f) == name]
     return name if len(same) == 1 else f"{name}-{i}"
+
+
+def fingerprint(spec: str) -> str:
+    """One sha256 for what `--data SPEC` trains on: each part's manifest.json (which lists every
+    shard's checksum) with its weight. The same data moved to another path keeps it."""
+    h = hashlib.sha256()
+    for part in parse_spec(spec):
+        manifest = Path(part.folder) / MANIFEST
+        try:
+            h.update(hashlib.sha256(manifest.read_bytes()).hexdigest().encode())
+        except OSError as e:
+            raise DataError(f"--data: cannot read {manifest}: {e.strerror or e}") from None
+        h.update(f":{part.weight};".encode())
+    return h.hexdigest()
 
 
 def load_data(spec: str, seq_len: int | None = None, verify: bool = False, log=None) -> Manifest:

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from data.files import scratch_folder
+from data.files import scratch_folder, why_unwritable
 from data.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -84,6 +84,8 @@ def prepare(
     from data.preference import is_preference_source
 
     out = Path(out)
+    if (why := why_unwritable(out)) is not None:
+        raise DataError(f"--out: {why}")
     pairs = is_preference_source(str(source))  # prompt, chosen, rejected (data/preference.py)
     chat = (pairs or is_chat_source(str(source))) if chat is None else chat
     if val_fraction is None:  # "auto": 0.5%, or enough of a small corpus (shards.py)

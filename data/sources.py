@@ -225,15 +225,29 @@ def _check_local(path: Path, text_field: str) -> None:
                 f"{path}: no column {text_field!r} (columns: {', '.join(names)}); pass --text-field"
             )
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), None)
+        first = next(jsonl_lines(path), None)
         if first is not None:
-            row = json_row(first, path, 1)
+            row = json_row(first[1], path, first[0])
             if text_field not in row:
                 raise DataError(
                     f"{path}: first record has no field {text_field!r} "
                     f"(fields: {', '.join(row)}); pass --text-field"
                 )
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-empty line of a JSONL file; DataError naming the line
+    that is not UTF-8 (a binary file given as JSONL)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(
+                    f"{path}:{lineno}: not UTF-8 text (a binary file given as JSONL?)"
+                ) from None
+            if line.strip():
+                yield lineno, line
 
 
 def json_row(line: str, path: Path, lineno: int) -> dict:
@@ -250,14 +264,11 @@ def _read_local(path: Path, text_field: str) -> Iterator[str]:
     if path.suffix == ".txt":
         yield path.read_bytes().decode("utf-8", errors="replace")  # exact: no newline translation
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                row = json_row(line, path, lineno)
-                if not isinstance(row.get(text_field), str):
-                    raise DataError(f"{path}:{lineno}: field {text_field!r} missing or not text")
-                yield row[text_field]
+        for lineno, line in jsonl_lines(path):
+            row = json_row(line, path, lineno)
+            if not isinstance(row.get(text_field), str):
+                raise DataError(f"{path}:{lineno}: field {text_field!r} missing or not text")
+            yield row[text_field]
     else:  # .parquet goes through `datasets`, the same code that reads hub datasets
         yield from iter_hf_dataset("parquet", text_field=text_field, data_files=[str(path)])
 

@@ -22,6 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from training.errors import ConfigError
+from training.runtime import launcher
+
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -39,24 +42,27 @@ def parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------ the checks
 def check_launcher() -> tuple[str, str]:
+    """The launch as the trainer will read it (training/runtime/launcher.py)."""
     env = os.environ
     have = [k for k in LAUNCH_ENV if k in env]
-    if not have:
-        return "ok", "no launcher: a world of one process"
-    if len(have) < len(LAUNCH_ENV):
+    if have and len(have) < len(LAUNCH_ENV):
         missing = [k for k in LAUNCH_ENV if k not in env]
         return "FAIL", (
             f"{', '.join(have)} set but not {', '.join(missing)}: start through torchrun or "
             "deepspeed, or unset them to run one process"
         )
     try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    except ValueError as e:
-        return "FAIL", f"RANK/WORLD_SIZE/LOCAL_RANK must be integers ({e})"
-    if not 0 <= rank < world:
-        return "FAIL", f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world})"
-    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "a launcher"
-    return "ok", (f"{launcher}: world of {world}, master {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+        here = launcher.read(env)
+    except ConfigError as e:
+        return "FAIL", str(e)
+    if here.launcher == "none":
+        return "ok", "no launcher: a world of one process"
+    if "TORCHELASTIC_RUN_ID" not in env and here.launcher == "torchrun":
+        name = "a launcher"
+    else:
+        name = here.launcher
+    port = here.master_port if here.master_port is not None else "any free port"
+    return "ok", f"{name}: world of {here.world}, master {here.master_addr}:{port}"
 
 
 def versions() -> dict[str, str]:
@@ -210,8 +216,8 @@ def run(argv: list[str] | None = None) -> int:
     results.append(("disk", *check_disk(a.out, a.min_free_gb)))
     results.append(("data", *check_data(a.data, a.verify_data)))
 
-    rank = int(os.environ.get("RANK", "0")) if launcher_ok else 0
-    world = int(os.environ.get("WORLD_SIZE", "1")) if launcher_ok else 1
+    here = launcher.read() if launcher_ok else None
+    rank, world = (here.rank, here.world) if here else (0, 1)
     if not (launcher_ok and backend):
         results.append(("process group", "skip", "not started: fix the lines above first"))
         return report([results], [socket.gethostname()], rank, world, alone=True)

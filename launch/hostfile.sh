@@ -36,12 +36,17 @@ master=${2:?$usage}
 shift 2
 [ -f "$hostfile" ] || { echo "error: hostfile not found: $hostfile" >&2; exit 2; }
 # Every host must resolve here (DeepSpeed's launcher otherwise dies with a traceback).
+hosts=0
 while read -r host _; do
   case "$host" in ''|\#*) continue ;; esac
   getent hosts "$host" >/dev/null || {
     echo "error: hostfile $hostfile: host '$host' does not resolve" >&2; exit 2; }
+  hosts=$((hosts + 1))
 done < "$hostfile"
-command -v pdsh >/dev/null || [ -n "${LAUNCHER:-}" ] || {
+# One host (a one-node SLURM job): DeepSpeed starts the ranks here itself, no ssh nor pdsh.
+one_host=
+[ "$hosts" -gt 1 ] || one_host=--no_ssh_check
+[ -n "$one_host" ] || command -v pdsh >/dev/null || [ -n "${LAUNCHER:-}" ] || {
   echo "error: pdsh not found on this host (apt-get install pdsh), or set LAUNCHER=openmpi" >&2
   exit 2
 }
@@ -60,7 +65,7 @@ mv "$env_file.new" "$env_file"
 export DS_ENV_FILE="$env_file"
 # In a session of its own, so a Ctrl-C in the terminal reaches it once, through the trap below.
 setsid "$venv/bin/deepspeed" --hostfile "$hostfile" --master_addr "$master" \
-  --master_port "${MASTER_PORT:-29500}" --venv_script "$venv/bin/activate" \
+  --master_port "${MASTER_PORT:-29500}" --venv_script "$venv/bin/activate" $one_host \
   ${LAUNCHER:+--launcher "$LAUNCHER"} training/train.py "$@" &
 child=$!
 for sig in TERM INT; do  # DeepSpeed's runner stops the ranks itself

@@ -17,7 +17,11 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-DEV_TOOLS = {"pytest", "ruff"}  # in requirements.txt for setup.sh; the `dev` extra in pyproject
+DEV_TOOLS = {
+    "pytest",
+    "ruff",
+    "hypothesis",
+}  # in requirements.txt for setup.sh; the `dev` extra in pyproject
 SKIP_DIRS = {".venv", ".git", "build", "dist", "runs", "data_cache", "out", "__pycache__"}
 # Spelled so that this file does not match itself.
 PATH_EDIT = re.compile(r"\bsys\.path\.(insert|append)\s*\(")

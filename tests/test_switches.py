@@ -124,7 +124,7 @@ def test_the_held_zero3_config_covers_the_whole_model():
     ],
 )
 def test_ranks_on_this_host_as_the_launcher_says(monkeypatch, env, expected):
-    # Inside a SLURM or MPI allocation their variables would answer first (preflight/hosts.py).
+    # Inside a SLURM or MPI allocation their variables would answer first (runtime/launcher.py).
     launchers = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MPI_LOCALNRANKS")
     for name in list(os.environ):
         if name in launchers or name.startswith(("SLURM_", "OMPI_", "PMI_")):

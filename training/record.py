@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from data import BatchLoader
-from data.mixture import parse_spec
+from data.mixture import fingerprint, parse_spec
 from models.hub import resolve_pretrained
 from training.runtime import cluster, nccl_env, patches
 from training.runtime.shm import routed_dtypes as shm_routed_dtypes
@@ -55,6 +55,7 @@ def run_record(
         "attention": facts.get("attention"),  # the kernel; for SDPA, which of its kernels runs
         "data": data_record(prepared.config.data.path, prepared.manifest),
         "world": dist.world,
+        "launched_by": dist.launcher,  # whose variables gave the rank (runtime/launcher.py)
         # world = data x tensor x sequence x pipeline (settings/parallel.py)
         "parallel": asdict(parallel.layout(prepared.ds_config, dist.world, "config"))
         | {"data": engine.dp_world},
@@ -66,6 +67,8 @@ def run_record(
             "checkpoint": str(resume.root / resume.tag),
             "universal": resume.universal,
             "why": resume.why,
+            # what it changes of the checkpoint's recipe, asked by --allow-recipe-change
+            "recipe_changes": prepared.recipe_changes,
         },
         **({"accelerate": accelerate_state} if accelerate_state else {}),
         "backend": dist.backend,
@@ -73,7 +76,7 @@ def run_record(
         "nccl_env": nccl_env.in_effect(dist.backend),
         # every behaviour switch as preflight resolved it, and why (training/preflight/switches.py)
         "switches": prepared.switches.as_record(),
-        # how many ranks run on this host, and which launcher said so (preflight/hosts.py)
+        # how many ranks run on this host, and which launcher said so (runtime/launcher.py)
         "host_layout": prepared.host
         and {
             "launcher": prepared.host.launcher,
@@ -121,6 +124,7 @@ def data_record(spec: str, manifest) -> dict:
     return {
         "dir": str(Path(parse_spec(spec)[0].folder).resolve()),
         "spec": spec,
+        "sha256": fingerprint(spec),  # manifests and weights: a resume compares it
         "source": manifest.source,
         "tokenizer_sha256": getattr(manifest, "tokenizer_sha256", None),
     }
@@ -164,6 +168,10 @@ def trainer_facts(record: dict) -> dict:
         "model": flags["model"],
         "data_dir": record["data"]["dir"],
         "seq_len": flags["seq_len"],
+        # the rest of the recipe a resume holds to (preflight/recipe_change.py)
+        "global_batch": cfg["train_batch_size"],
+        "micro_batch": cfg["train_micro_batch_size_per_gpu"],
+        "data_sha256": record["data"].get("sha256"),
         "model_config": record["model_config"],
         "precision": record["precision"],  # an "auto" resume keeps it (exact resume)
         # --lora: the adapters' spec, and the frozen model they sit on (what export loads)

@@ -38,7 +38,7 @@ def start(config: RunConfig, prepared: Prepared, run_dir: Path) -> Started:
     """The process group; the resume plan verified by every rank (falling back past a corrupt
     checkpoint with --resume auto); DeepSpeed's comm layer; the universal copy, if needed."""
     switches = prepared.switches
-    here = prepared.host.ranks_here if prepared.host else None  # preflight/hosts.py
+    here = prepared.host.ranks_here if prepared.host else None  # runtime/launcher.py
     nccl_env.apply(distributed.accelerator().communication_backend_name(), run_dir)
     dist = distributed.setup(
         timeout_s=config.engine.dist_timeout,

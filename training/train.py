@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +57,7 @@ from training.record import (
     trainer_facts,
     write_record,
 )
-from training.runtime import distributed, hang, signals
+from training.runtime import distributed, hang, launcher, signals
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, ceiling_drift, model_shapes, run_ceiling
 from training.settings import flags, nvme
@@ -69,8 +68,11 @@ __all__ = ["RunConfig", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    try:
+        here = launcher.read()  # srun, mpirun, torchrun, deepspeed: whichever started us
+    except ConfigError as e:
+        return refused(e, -1, 1)  # no rank to trust: every process says it
+    world, rank = here.world, here.rank
     try:
         config = flags.parse(argv)
         prepared = prepare_run(config, world, rank)
@@ -180,6 +182,7 @@ def open_logger(
         write_record(run_dir, record, prepared.manifest)
         batch = (prepared.micro_batch, prepared.grad_accum, dp_world, config.data.seq_len)
         logger.console(banner(record, batch) + resumed(started.resume))
+    log_recipe_change(prepared.recipe_changes, logger, step)
     return logger
 
 
@@ -314,6 +317,18 @@ class Training:
     record: dict  # resolved_config.json's content
     reprobe: Callable[[], float] | None  # the matmul ceiling again (None: it was not measured)
     followups: Followups | None = None  # rank 0's background work on sealed checkpoints
+
+
+def log_recipe_change(changes: dict, logger: RunLogger, step: int) -> None:
+    """A resume that changes the recipe, as --allow-recipe-change asked: kept in metrics.jsonl
+    and said on the console (the record holds it too)."""
+    if not changes:
+        return
+    said = ", ".join(
+        f"{k} {str(v['from'])[:12]} -> {str(v['to'])[:12]}" for k, v in changes.items()
+    )
+    logger.log({"kind": "recipe_change", "step": step, "changes": changes})
+    logger.console(f"recipe changed at step {step} (--allow-recipe-change): {said}")
 
 
 def train_loop(t: Training) -> dict:

@@ -36,7 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging
 
-from data.files import scratch_folder
+from data.files import scratch_folder, why_unwritable
 from models import ZeroStackForCausalLM
 from models.hf_adapter import to_llama_config, to_llama_state_dict
 from models.lora import adapter_state_dict, lora_config, parse_lora, to_llama_adapter
@@ -200,6 +200,8 @@ def check_target(out: Path, overwrite: bool) -> None:
     """Raise ExportError unless `out` may be written: absent or empty, or with --overwrite a
     folder that neither is nor contains a run or data folder, and inside one only when it is an
     earlier export (RUN/hf): nothing a user owns is replaced by mistake."""
+    if (why := why_unwritable(out)) is not None:
+        raise ExportError(f"--out: {why}")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not overwrite:

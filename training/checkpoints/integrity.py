@@ -87,9 +87,13 @@ def verify(folder: Path, hashes: bool = True, collective: bool = True) -> str | 
     try:
         listed = json.loads((folder / COMPLETE).read_text())
         sizes = listed["files"]
-    except (OSError, ValueError, KeyError) as e:
+        want = listed.get("sha256")
+        if not isinstance(sizes, dict) or not isinstance(want, (dict, type(None))):
+            raise ValueError("its files and sha256 are not name -> value maps")
+        if not all(isinstance(n, str) and type(v) is int for n, v in sizes.items()):
+            raise ValueError("a listed size is not a whole number")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{folder}: incomplete checkpoint (unreadable {COMPLETE}: {e})"
-    want = listed.get("sha256")
     names = sorted(sizes) if hashes and want else []
     seen = {n: s for view in _gather(_visible(folder), collective) for n, s in view.items()}
     _, got = _hash_shared(folder, names, collective) if names else ({}, {})

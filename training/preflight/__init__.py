@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from data import load_data
 from data.manifest import Manifest
+from data.mixture import fingerprint
 from models import pick_attention_kernel
 from training.checkpoints.resume_plan import ResumePlan, plan_resume
 from training.checkpoints.universal_copy import Topology
@@ -40,6 +41,7 @@ from training.preflight.model_folder import (
     model_overrides,
 )
 from training.preflight.precision import Precision
+from training.preflight.recipe_change import allowed_changes, check_recipe
 from training.preflight.resolved import concrete
 from training.preflight.resumed_model import check_resume_shape
 from training.preflight.run_folder import check_out
@@ -98,6 +100,8 @@ class Prepared:
     host: Host | None = None
     shape: object = None  # the model's counted shape (memory/shape.py)
     followups: tuple = ()  # background work on sealed checkpoints (loop/followups.py: Job)
+    # what this resume changes of the checkpoint's recipe, as asked (recipe_change.py)
+    recipe_changes: dict = field(default_factory=dict)
 
     @functools.cached_property
     def _resolved(self) -> tuple[RunConfig, dict]:
@@ -126,9 +130,10 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     """Check a run before any work; raises ConfigError, DataError, ModelError or CheckpointError
     with one line."""
     check_flags(config)
+    allowed_changes(config)  # its names, before the data is read
     followups = plan_followups(config)
     check_out(config)
-    check_launch_env(world)
+    check_launch_env()
     device = accelerator().device_name()
     raw, cfg_path = load_config(config, device)
     log = rank0_printer(rank)
@@ -164,6 +169,9 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     resume = plan_resume(saved.resume, Path(config.out), now, saved.universal, log)
     if resume is not None:
         check_resume_shape(resume, model_cfg, config.model.name, config.model.lora)
+    recipe = {"seq_len": config.data.seq_len, "global_batch": cfg["train_batch_size"]}
+    recipe["data"] = fingerprint(config.data.path) if resume is not None else None
+    recipe_changes = check_recipe(resume, config, recipe)
     optimizer, schedule = ds_config.hyperparameters(
         cfg, config.optim, config.engine.backend, cfg_path
     )
@@ -192,6 +200,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
         host=host,
         shape=shape,
         followups=followups,
+        recipe_changes=recipe_changes,
     )
     return choose_precision(config, prepared)
 

@@ -4,7 +4,7 @@ host, and handed down as a plain bool. `Switches.as_record()` is what resolved_c
 of them: the value and why (docs/settings.md lists every one, its default and who reads it).
 
 "One host" is every rank of the world on this machine, as whichever launcher started the run says
-(preflight/hosts.py); "fits" is against a quarter of the host's total memory (or
+(runtime/launcher.py); "fits" is against a quarter of the host's total memory (or
 --host-mem-gib), never its free memory at launch, so the same command takes the same path on
 the same machine."""
 
@@ -18,8 +18,8 @@ import psutil
 from models.compile import cxx_compiler
 from training.errors import ConfigError
 from training.memory.fit import one_cpu_host_holds, zero3_holds_whole
-from training.preflight.hosts import host_layout
 from training.runtime import patches
+from training.runtime.launcher import host_layout
 from training.settings import ds_config, parallel
 from training.settings.flags import auto_unless
 from training.settings.run_config import RunConfig
@@ -71,12 +71,12 @@ class Host:
     world: int
     ranks_here: int  # ranks of this world on this machine
     memory_bytes: int  # the host's total memory, or --host-mem-gib
-    launcher: str = "none"  # who said how many ranks run here (preflight/hosts.py)
+    launcher: str = "none"  # who said how many ranks run here (runtime/launcher.py)
 
 
 def ranks_on_this_host(world: int) -> int:
     """How many ranks of the world run on this machine, as the launcher says
-    (preflight/hosts.py: torchrun, DeepSpeed, SLURM, Open MPI, MPICH); a single-host launch
+    (runtime/launcher.py: torchrun, DeepSpeed, SLURM, Open MPI, MPICH); a single-host launch
     without any."""
     return host_layout(world).ranks_here
 

@@ -10,14 +10,14 @@ import ctypes.util
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from training.runtime import liveness
+from training.runtime import launcher, liveness
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class DistInfo:
     local_world: int
     device: torch.device
     backend: str
+    launcher: str = "none"  # who gave the rank (runtime/launcher.py)
 
     @property
     def is_main(self) -> bool:
@@ -47,23 +48,25 @@ def setup(
     keep_freed: bool = True,
     ranks_here: int | None = None,
 ) -> DistInfo:
-    """Initialise torch.distributed from the launcher's env (torchrun or the deepspeed launcher).
+    """Initialise torch.distributed from the launcher's env (runtime/launcher.py: torchrun,
+    DeepSpeed's launcher, srun, Open MPI's or MPICH's mpirun).
 
-    A plain `python train.py` with no launcher env runs as a world of one. The backend is the
-    accelerator's (gloo on CPU, NCCL on CUDA); `timeout_s` bounds every collective so a dead
-    rank makes the others fail instead of hanging forever; `keep_freed` (a CPU: the trainer's
-    --keep-freed-memory) keeps freed blocks on the heap between steps; `ranks_here` (the ranks
-    of the world on this host, preflight/hosts.py; None: all of them) share the host's cores."""
+    A plain `python train.py` with no launcher env runs as a world of one. The launcher's rank,
+    world and master are written as RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT
+    before the group starts, so DeepSpeed's init_distributed sees the same world. The backend
+    is the accelerator's (gloo on CPU, NCCL on CUDA); `timeout_s` bounds every collective so a
+    dead rank makes the others fail instead of hanging forever; `keep_freed` (a CPU: the
+    trainer's --keep-freed-memory) keeps freed blocks on the heap between steps; `ranks_here`
+    (the ranks of the world on this host, runtime/launcher.py; None: all of them) share the
+    host's cores."""
     env = os.environ
-    if "RANK" not in env:  # single process, no launcher
-        env.setdefault("RANK", "0")
-        env.setdefault("WORLD_SIZE", "1")
-        env.setdefault("LOCAL_RANK", "0")
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(free_port()))
-    rank = int(env["RANK"])
-    world = int(env["WORLD_SIZE"])
-    local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
+    launch = launcher.read(env)
+    if local_rank_arg is not None and launch.launcher in ("torchrun", "deepspeed", "none"):
+        if not env.get("LOCAL_RANK"):  # an older launcher's --local_rank argument
+            launch = replace(launch, local_rank=local_rank_arg)
+    launcher.export(launch, env)
+    env.setdefault("MASTER_PORT", str(free_port()))  # a world of one, no port said
+    rank, world, local_rank = launch.rank, launch.world, launch.local_rank
     local_world = world if ranks_here is None else ranks_here
 
     acc = accelerator()
@@ -84,7 +87,7 @@ def setup(
     # minutes or more, not the world's: make the default ours too.
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     liveness.set_timeout(timeout_s)  # for the collectives that cannot time out by themselves
-    return DistInfo(rank, world, local_rank, local_world, device, backend)
+    return DistInfo(rank, world, local_rank, local_world, device, backend, launch.launcher)
 
 
 def keep_freed_memory() -> bool:

@@ -36,7 +36,7 @@ def shared_memory_collectives(wanted: bool = True, ranks_here: int | None = None
     for the liveness watchdog, which names a peer that died in it. Call it before
     `deepspeed.initialize` and zero.Init. Returns whether the route is on. `wanted` False (the
     trainer's --shm-collectives off) starts DeepSpeed's comm layer with every collective on
-    gloo. `ranks_here`: the world's ranks on this host (preflight/hosts.py; None: all)."""
+    gloo. `ranks_here`: the world's ranks on this host (runtime/launcher.py; None: all)."""
     if not dist.is_initialized():
         return False
 

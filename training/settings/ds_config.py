@@ -144,7 +144,8 @@ def load_json(path: str | Path) -> dict:
 
 
 def check_keys(cfg: dict, source: str) -> dict:
-    """Drop comment keys and refuse unknown top-level keys (with a suggestion)."""
+    """Drop comment keys and refuse unknown top-level keys (with a suggestion), and a section
+    that is not an object."""
     out = {}
     for k, v in cfg.items():
         if k.startswith("_"):
@@ -152,6 +153,10 @@ def check_keys(cfg: dict, source: str) -> dict:
         if k not in KNOWN_KEYS:
             hint = sections.near(k, sorted(KNOWN_KEYS))
             raise ConfigError(f"{source}: unknown top-level key {k!r}{hint}")
+        if k in sections.OBJECT_KEYS and not isinstance(v, dict):
+            raise ConfigError(
+                f"{source}: {k} must be an object ({{...}}), got {json.dumps(v)[:40]}"
+            )
         out[k] = v
     return out
 

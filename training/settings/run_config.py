@@ -306,6 +306,13 @@ class CheckpointConfig:
         "tensor- or sequence-parallel sizes differ from the checkpoint's), always, or never "
         "(refuse such a resume)",
     )
+    allow_recipe_change: str | None = setting(
+        None,
+        "what a resume may change from the checkpoint's run, comma-separated: seq_len (a "
+        "context extension), global_batch, data. Without it a resume that changes any of "
+        "them is refused; an allowed change is recorded in the run folder",
+        shown="none: the checkpoint's recipe",
+    )
     stop_at: int | None = setting(
         None,
         "save and exit after this step (the schedule still spans --steps)",

@@ -59,6 +59,12 @@ APPLIED_BY_DEEPSPEED = {
     "sequence_parallel_size",  # Ulysses; the groups and the model's hook: engines/sequence.py
     "seq_parallel_communication_data_type",
 }
+# The top-level keys whose value is a section (a JSON object), never a number or a list.
+OBJECT_KEYS = {
+    "zero_optimization", "pipeline", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
+    "activation_checkpointing", "data_types", "checkpoint", "aio", "flops_profiler",
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "timers", "tensor_parallel",
+}  # fmt: skip
 # Known to DeepSpeed, but they need something zerostack does not do; each says why.
 REFUSED = {
     "amp": "Apex AMP is not used; precision comes from the bf16 or fp16 section",
