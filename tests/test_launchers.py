@@ -21,6 +21,8 @@ from launch.supervise import run_marked
 from tests.conftest import PY, REPO, TINY_RUN, read_metrics
 from training.runtime.distributed import free_port
 
+pytestmark = pytest.mark.slow  # real multi-process runs under real launchers
+
 STEPS = ["--steps", "3", "--save-every", "0"]
 # A bare launch: nothing of torchrun's or DeepSpeed's, nothing of an enclosing launcher.
 TORCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
