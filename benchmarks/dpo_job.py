@@ -1,7 +1,7 @@
 """The offline preference-tuning job: DPO from the quickstart's model on pairs built from the
 built-in corpus, and its held-out preference accuracy before and after.
 
-    python benchmarks/dpo_job.py [--base runs/quickstart/hf] [--pairs 600] [--steps 40]
+    python benchmarks/dpo_job.py [--base runs/quickstart/hf] [--pairs 400] [--steps 40]
 
 Steps (each a user's command): `data.instructions --pairs` (each documented function's body
 chosen, the next function's body in the same file rejected; whole files to train or
@@ -36,7 +36,7 @@ def main() -> int:
     p.add_argument("--base", default="runs/quickstart/hf", help="the model to tune (an HF folder)")
     p.add_argument("--work", default="data_cache/pyprefs", help="folder for the data")
     p.add_argument("--out", default="runs/pyprefs-dpo")
-    p.add_argument("--pairs", type=int, default=600, help="training pairs kept")
+    p.add_argument("--pairs", type=int, default=400, help="training rows kept")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", default="1e-4")

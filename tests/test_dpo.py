@@ -186,7 +186,8 @@ def resumed(pairs) -> dict:
 
 @pytest.mark.slow
 def test_dpo_resumes_bit_for_bit_on_the_stored_reference(resumed):
-    """Three 2-rank launches (about 25 s each)."""
+    """Three 2-rank launches of the tiny model (each well under a minute on an idle 2-core
+    host): resume is only shown by stopping and resuming a real run."""
     ref, again = read_metrics(resumed["ref"]), read_metrics(resumed["stopped"])
     assert ref[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the policy is the reference
     assert ref[-1]["loss"] < ref[0]["loss"] and ref[-1]["accuracy"] > 0.5
@@ -203,7 +204,8 @@ def test_dpo_resumes_bit_for_bit_on_the_stored_reference(resumed):
 @pytest.mark.slow
 def test_lora_dpo_reference_is_the_base_with_adapters_off(pairs, tmp_path):
     """A 2-rank LoRA run under the default config (ZeRO-2), then the stored reference
-    log-probs against peft's disable_adapter on the trained model."""
+    log-probs against peft's disable_adapter on the trained model (over 60 s on a loaded
+    host: a real run is what writes the reference)."""
     from models import build_model, save_llama
     from training.checkpoints import layout as ckpt
     from training.checkpoints.weights import load_lora_model
