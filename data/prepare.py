@@ -94,21 +94,10 @@ def prepare(
     _check_dtype(tokenizer, vocab_size, dtype)
     if chat:
         return _prepare_chat(
-            source,
-            out,
-            tokenizer,
-            chat_template,
-            train_on,
-            seq_len,
-            too_long,
-            val_fraction=val_fraction,
-            seed=seed,
-            shard_tokens=shard_tokens,
-            dtype=dtype,
-            progress=progress,
-            val_source=val_source,
-            pairs=pairs,
-        )
+            source, out, tokenizer, chat_template, train_on, seq_len, too_long,
+            val_fraction=val_fraction, seed=seed, shard_tokens=shard_tokens, dtype=dtype,
+            progress=progress, val_source=val_source, pairs=pairs,
+        )  # fmt: skip
     _refuse_chat_flags(source, chat_template, val_source)
     src = resolve_source(source, text_field)
     args = _canonical(
