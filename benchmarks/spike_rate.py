@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=REPO / "data_cache" / "pystdlib")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/spike_guard.json")
     p.add_argument("--replay", action="store_true", help="only redo the replays of --out")
+    p.add_argument("--cost-only", action="store_true", help="keep --out's false positives")
     a = p.parse_args(argv)
     if a.replay:  # a pure function of the recorded trajectories
         result = json.loads(a.out.read_text())
@@ -132,10 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        fp = [
-            false_positives("tiny", a.data, a.steps, root),
-            false_positives("quickstart", a.data, a.quickstart_steps, root),
-        ]
+        fp = (
+            json.loads(a.out.read_text())["false_positives"]
+            if a.cost_only
+            else [
+                false_positives("tiny", a.data, a.steps, root),
+                false_positives("quickstart", a.data, a.quickstart_steps, root),
+            ]
+        )
         spent = cost(a.data, a.rounds, a.cost_steps, root)
     result = {
         "host": {"machine": platform.machine(), "processor": platform.processor()},

@@ -13,6 +13,8 @@ HANG_TRAIN = "tests/scripts/hang_train.py"
 
 @pytest.mark.slow
 def test_a_rank_hung_in_a_collective_leaves_every_ranks_stacks(tiny_data, tmp_path):
+    """One 2-rank run to its hung step 6, then the 4 s limit and the 3 s grace (near a minute on
+    2 cores): the watch needs a few steps' history before it judges."""
     out = tmp_path / "run"
     extra = ["--steps", "12", "--save-every", "0", "--hang-factor", "5", "--hang-floor-s", "4"]
     extra += ["--dist-timeout", "300"]  # the soft limit must come first

@@ -81,6 +81,8 @@ def _weights(folder, config: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["zero3", "ddp", "fsdp"])
 def test_the_spike_guard_skips_on_every_engine(tiny_data, tmp_path, config):
+    """A 10-step 2-rank run per engine, saving every step (near a minute on 2 cores): the guard's
+    warm-up comes first, and the weights around the spike are read from two checkpoints."""
     engine = {"ddp": ["--backend", "ddp"], "fsdp": ["--backend", "fsdp"]}.get(
         config, ["--ds_config", f"ds_configs/{config}.json"]
     )

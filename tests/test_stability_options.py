@@ -58,6 +58,7 @@ def test_the_z_loss_adds_its_term_and_its_exact_gradient():
 
 @pytest.mark.slow
 def test_a_run_with_qk_norm_and_z_loss_logs_it_and_exports_to_qwen3(tiny_data, tmp_path):
+    """A 3-step 2-rank run and its export, reloaded by stock transformers (near a minute)."""
     from training.checkpoints.hf_export import export
 
     out = tmp_path / "run"

@@ -52,38 +52,57 @@ class SpikeGuard:
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # accepted so far
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
         self.norm = torch.full((), math.nan, dtype=torch.float64, device=device)
-        self.spiked = torch.zeros((), dtype=torch.bool, device=device)
+        self._spiked = torch.zeros((), dtype=torch.bool, device=device)
         self.limits = torch.full((2,), math.inf, dtype=torch.float64, device=device)
-        self._judged = False
+        self._judged = self._settled = False
+        self._work = None
 
     def begin(self, step_loss: torch.Tensor) -> None:
         """The step's summed micro-batch loss on this rank; its mean over the ranks is judged.
-        All ranks call (one all-reduce of one number, on the device)."""
-        loss = step_loss.detach().to(torch.float64).reshape(())
+        All ranks call. The all-reduce of that one number is started here and waited for when
+        the engine gives its norm: it runs beside the engine's step instead of before it."""
+        loss = step_loss.detach().to(torch.float64).reshape(()).clone()
+        self._work = None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss)
-            loss = loss / dist.get_world_size()
+            self._work = dist.all_reduce(loss, async_op=True)
         self.loss = loss
         self.norm = torch.full((), math.nan, dtype=torch.float64, device=self.device)
         self.limits = self._limits()
-        self.spiked = self._above(loss, 0)
         self._judged = False
+        self._settled = False
+
+    @property
+    def spiked(self) -> torch.Tensor:
+        """The step's verdict (a 0-dim bool tensor on the device)."""
+        self._settle()
+        return self._spiked
+
+    def _settle(self) -> None:
+        """The loss's mean over the ranks is in: judge it (once a step)."""
+        if self._settled:
+            return
+        if self._work is not None:
+            self._work.wait()  # on a GPU the stream waits, not the host
+            self.loss = self.loss / dist.get_world_size()
+        self._spiked = self._above(self.loss, 0)
+        self._settled = True
 
     def gate(self, norm):
         """The engine's global gradient norm (a tensor or a number), or infinity when the step is
         a spike by its loss or by this norm. Called at most once per step (a second call, as in
         DeepSpeed's fp16 wrapper that checks twice, returns the same verdict)."""
         t = torch.as_tensor(norm, dtype=torch.float64).to(self.device).reshape(())
+        self._settle()
         if not self._judged:
             self.norm = t.detach().clone()
-            self.spiked = self.spiked | self._above(self._log(self.norm), 1)
+            self._spiked = self._spiked | self._above(self._log(self.norm), 1)
             self._judged = True
-        return torch.where(self.spiked, torch.full_like(t, math.inf), t)
+        return torch.where(self._spiked, torch.full_like(t, math.inf), t)
 
     def commit(self) -> None:
         """Add the step's figures to the history, unless it was a spike or not finite."""
-        ok = ~self.spiked & torch.isfinite(self.loss)
+        self._settle()
+        ok = ~self._spiked & torch.isfinite(self.loss)
         if self._judged:
             ok = ok & torch.isfinite(self.norm)
         slot = (self.count % self.window).reshape(1)  # a tensor index: no host read
