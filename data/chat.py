@@ -48,18 +48,23 @@ def chat_files(source: str) -> list[Path]:
     return files
 
 
-def is_chat_source(source: str) -> bool:
-    """Whether SOURCE is local JSONL whose first row has one of the chat shapes."""
+def first_row(source: str) -> dict | None:
+    """The first row of SOURCE when it is local JSONL whose first row is a JSON object; None
+    otherwise (not local JSONL, empty, not text, not JSON: read as a text source, which says
+    what is wrong)."""
     try:
         files = chat_files(source)
-    except DataError:
-        return False
-    try:
         first = next(jsonl_lines(files[0]), None)
         row = first and json_row(first[1], files[0], first[0])
-    except DataError:  # not text, not JSON: read as a text source, which says what is wrong
-        return False
-    if not row:
+    except DataError:
+        return None
+    return row if isinstance(row, dict) and row else None
+
+
+def is_chat_source(source: str) -> bool:
+    """Whether SOURCE is local JSONL whose first row has one of the chat shapes."""
+    row = first_row(source)
+    if row is None:
         return False
     return "messages" in row or {"prompt", "completion"} <= row.keys() or "instruction" in row
 

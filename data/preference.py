@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from data.chat import Renderer, _flush, chat_files, to_messages
+from data.chat import Renderer, _flush, chat_files, first_row, to_messages
 from data.manifest import SPLITS, DataError, SplitInfo
 from data.shards import ShardWriter, split_of
 from data.sources import json_row
@@ -32,18 +32,8 @@ _BATCH = 512  # pairs handed to the shard writer at a time
 
 def is_preference_source(source: str) -> bool:
     """Whether SOURCE is local JSONL whose first row has 'chosen' (a preference row)."""
-    try:
-        files = chat_files(source)
-    except DataError:
-        return False
-    with open(files[0], encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), None)
-    if first is None:
-        return False
-    try:
-        return "chosen" in json_row(first, files[0], 1)
-    except DataError:
-        return False
+    row = first_row(source)
+    return row is not None and "chosen" in row
 
 
 def to_pair(row: dict[str, Any], where: str) -> tuple[list[dict], list[dict]]:

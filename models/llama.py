@@ -230,9 +230,7 @@ def pick_attention_kernel(choice: str, device_type: str, seq_len: int, masked: b
     return "explicit" if seq_len <= EXPLICIT_UP_TO else "sdpa"
 
 
-def sdpa_backend(
-    config, device: torch.device, dtype: torch.dtype, seq_len: int
-) -> str | None:
+def sdpa_backend(config, device: torch.device, dtype: torch.dtype, seq_len: int) -> str | None:
     """Which of SDPA's kernels a causal training step of `config` at `seq_len` takes on `device`
     in `dtype` ("flash_attention", "efficient_attention", "cudnn_attention" or "math"), as torch's
     own dispatcher decides it: the name the run reports for `--attention sdpa`. None where torch

@@ -100,7 +100,9 @@ def test_a_context_extension_asked_for_trains_on_and_is_recorded(trained, tiny_d
     shutil.copytree(trained, out)
     argv = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "3"]
     p = launch([*argv, "--seq-len", "128", "--allow-recipe-change", "seq_len"], nproc=1)
-    assert "recipe changed at step 2 (--allow-recipe-change): seq_len 64 -> 128" in p.stdout + p.stderr
+    assert (
+        "recipe changed at step 2 (--allow-recipe-change): seq_len 64 -> 128" in p.stdout + p.stderr
+    )
     record = json.loads((out / "resolved_config.json").read_text())
     assert record["resume"]["recipe_changes"] == {"seq_len": {"from": 64, "to": 128}}
     [change] = read_metrics(out, "recipe_change")
