@@ -1,6 +1,6 @@
 """Soak: a long run stays flat. A benchmark, not a test (it takes minutes per engine).
 
-    python -m benchmarks.soak [--steps 3000] [--engines zero2,fsdp2] [--doc docs/reliability.md]
+    python -m benchmarks.soak [--steps 3000] [--engines zero2,fsdp2] [--results FILE]
 
 Each engine trains the tiny preset as a real 2-rank job of training/train.py for --steps steps,
 saving every --save-every steps (keeping the last 2, so old checkpoints are deleted all along)
@@ -10,8 +10,9 @@ files named after the run. The run's first part is warm-up (every kind of event,
 deletion and an evaluation, has happened once by then); the figures compare the median of the
 samples just after it with the median of the last ones before the final step. It holds when
 every rank's RSS grew by at most 5%, no rank holds more file descriptors or shared-memory
-mappings at the end than at the start, and no /dev/shm file of the run outlives it. With --doc
-the table replaces the "A long run stays flat" section of that file (added if absent).
+mappings at the end than at the start, and no /dev/shm file of the run outlives it. The raw
+rows go to benchmarks/results/soak.json (or --results), and docs/reliability.md's table is drawn
+from the committed file by python -m benchmarks.docs_tables.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ from training.checkpoints import layout
 TAIL = ["--steps", "4", "--save-every", "0"]
 
 
+pytestmark = pytest.mark.slow  # checkpoints of real runs, resumed
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory):
     """A 1-rank run of 2 steps, saved at its end (step 2)."""
