@@ -5,7 +5,7 @@ Nothing here imports DeepSpeed or training/: engines apply parallelism to the mo
 
 from models.blocks import transformer_blocks
 from models.compile import compile_blocks
-from models.config import ZeroStackConfig
+from models.config import ZeroStackConfig, ZeroStackMoeConfig
 from models.errors import ModelError
 from models.factory import Partitioned, build_model
 from models.hf_adapter import (
@@ -25,6 +25,7 @@ from models.llama import (
     set_document_mask,
     set_sequence_parallel,
 )
+from models.moe import ZeroStackMoeForCausalLM, router_metrics
 from models.pipeline import (
     model_state_dict_to_pipeline,
     pipeline_loss,
@@ -38,6 +39,8 @@ __all__ = [
     "Partitioned",
     "ZeroStackConfig",
     "ZeroStackForCausalLM",
+    "ZeroStackMoeConfig",
+    "ZeroStackMoeForCausalLM",
     "build_model",
     "causal_lm_loss",
     "compile_blocks",
@@ -52,6 +55,7 @@ __all__ = [
     "pipeline_loss",
     "pipeline_state_dict_to_model",
     "resolve_pretrained",
+    "router_metrics",
     "save_llama",
     "set_attention_kernel",
     "set_document_mask",
