@@ -7,7 +7,7 @@ from models.blocks import transformer_blocks
 from models.compile import compile_blocks
 from models.config import ZeroStackConfig, ZeroStackMoeConfig
 from models.errors import ModelError
-from models.factory import Partitioned, build_model
+from models.factory import Partitioned, build_model, model_class
 from models.hf_adapter import (
     from_llama_config,
     from_llama_state_dict,
@@ -25,7 +25,7 @@ from models.llama import (
     set_document_mask,
     set_sequence_parallel,
 )
-from models.moe import ZeroStackMoeForCausalLM, router_metrics
+from models.moe import ZeroStackMoeForCausalLM, router_metrics, take_router_totals
 from models.pipeline import (
     model_state_dict_to_pipeline,
     pipeline_loss,
@@ -48,6 +48,7 @@ __all__ = [
     "from_llama_config",
     "from_llama_state_dict",
     "get_config",
+    "model_class",
     "model_state_dict_to_pipeline",
     "num_params",
     "pick_attention_kernel",
@@ -60,6 +61,7 @@ __all__ = [
     "set_attention_kernel",
     "set_document_mask",
     "set_sequence_parallel",
+    "take_router_totals",
     "to_llama_config",
     "to_llama_state_dict",
     "transformer_blocks",

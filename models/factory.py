@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from models.config import ZeroStackMoeConfig
+from models.config import ZeroStackConfig, ZeroStackMoeConfig
 from models.errors import ModelError
 from models.hf_adapter import from_llama_config, from_llama_state_dict
 from models.hub import is_hub_name, resolve_pretrained
@@ -66,12 +66,7 @@ def build_model(
         # Drawn before construction, which consumes the RNG differently under ZeRO-3.
         base_seed = int(torch.randint(0, 2**62, (1,)).item())
         config = get_config(spec, **overrides)
-        cls = (
-            ZeroStackMoeForCausalLM
-            if isinstance(config, ZeroStackMoeConfig)
-            else ZeroStackForCausalLM
-        )
-        model = cls._from_config(config, dtype=dtype)
+        model = model_class(config)._from_config(config, dtype=dtype)
         seeded_init(model, base_seed, partitioned)
     elif os.path.isdir(spec) or is_hub_name(spec):
         model = _from_folder(str(resolve_pretrained(spec)), overrides, dtype, partitioned)
@@ -84,6 +79,13 @@ def build_model(
         )
 
     return model
+
+
+def model_class(config: ZeroStackConfig) -> type[ZeroStackForCausalLM]:
+    """Our model class for our config: the MoE model for an MoE config, else the dense one."""
+    if isinstance(config, ZeroStackMoeConfig):
+        return ZeroStackMoeForCausalLM
+    return ZeroStackForCausalLM
 
 
 def seeded_init(

@@ -149,6 +149,12 @@ class ZeroStackMoeForCausalLM(ZeroStackForCausalLM):
         self.router_stats = RouterStats(
             stats.aux_loss.detach(), stats.z_loss.detach(), stats.tokens_per_expert
         )
+        if self.training:  # summed until the loop takes them (take_router_totals)
+            totals = getattr(self, "router_totals", None)
+            self.router_totals = (
+                self.router_stats if totals is None else _add(totals, self.router_stats)
+            )
+            self.router_forwards = getattr(self, "router_forwards", 0) + 1
         loss = out.loss
         if loss is not None and self.training:
             c = self.config
@@ -163,13 +169,27 @@ class ZeroStackMoeForCausalLM(ZeroStackForCausalLM):
         )
 
 
-def router_metrics(model: nn.Module) -> dict[str, float]:
-    """What the last forward's routers did, for the metrics log: the load-balancing loss, the
-    z-loss and the fewest and most tokens any expert of any layer received; {} for a model
-    without our routers (dense, or not yet run)."""
-    stats = getattr(model, "router_stats", None)
-    if stats is None:
-        return {}
+def _add(a: RouterStats, b: RouterStats) -> RouterStats:
+    return RouterStats(
+        a.aux_loss + b.aux_loss, a.z_loss + b.z_loss, a.tokens_per_expert + b.tokens_per_expert
+    )
+
+
+def take_router_totals(model: nn.Module) -> RouterStats | None:
+    """The router statistics of the training forwards since the last call, and a reset: the
+    mean load-balancing and z-losses over those forwards and the tokens each expert of each
+    layer received in all of them. None for a model without our routers, or none run since."""
+    totals = getattr(model, "router_totals", None)
+    if totals is None:
+        return None
+    n = model.router_forwards
+    model.router_totals, model.router_forwards = None, 0
+    return RouterStats(totals.aux_loss / n, totals.z_loss / n, totals.tokens_per_expert)
+
+
+def router_metrics(stats: RouterStats) -> dict[str, float]:
+    """`stats` as the metrics log's fields: the load-balancing loss, the z-loss and the fewest
+    and most tokens any expert of any layer received."""
     tokens = stats.tokens_per_expert
     return {
         "moe_aux_loss": float(stats.aux_loss),

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from models import ModelError, build_model, flops_per_token, get_config, num_params
-from models.moe import MoeFeedForward, router_metrics
+from models.moe import MoeFeedForward, router_metrics, take_router_totals
 
 
 def reference_moe(x, gate_w, gate_up, down, top_k):
@@ -76,9 +76,13 @@ def test_training_loss_adds_the_router_losses_with_their_coefficients():
         int(stats.tokens_per_expert.sum())
         == c.num_hidden_layers * x.numel() * c.num_experts_per_tok
     )
-    metrics = router_metrics(model)
+    model(x, labels=x)  # a second training forward: the totals hold both
+    second = model.router_stats
+    metrics = router_metrics(take_router_totals(model))
     assert metrics["moe_expert_tokens_min"] <= metrics["moe_expert_tokens_max"]
-    assert metrics["moe_aux_loss"] == pytest.approx(float(stats.aux_loss))
+    mean_aux = (float(stats.aux_loss) + float(second.aux_loss)) / 2
+    assert metrics["moe_aux_loss"] == pytest.approx(mean_aux)
+    assert take_router_totals(model) is None  # taken: reset
     # the aux loss alone trains the router
     model.zero_grad()
     out.aux_loss.backward()
@@ -138,3 +142,33 @@ def test_shared_expert_sees_every_token():
 def test_bad_moe_shapes_are_refused(overrides, words):
     with pytest.raises(ModelError, match=words.replace("(", r"\(").replace(")", r"\)")):
         get_config("tiny-moe", **overrides)
+
+
+def test_mixtral_export_is_our_model_in_stock_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from models.hf_adapter import to_hf
+    from training.checkpoints.hf_export import write_safetensors
+
+    torch.manual_seed(0)
+    ours = build_model("tiny-moe", overrides={"num_experts": 5, "num_experts_per_tok": 3}).eval()
+    config, rename = to_hf(ours.config)
+    config.save_pretrained(tmp_path)
+    sd = rename(dict(ours.named_parameters()))  # the tied head is stored once, as embeddings
+    write_safetensors(tmp_path, sd, torch.float32, 2**30)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(input_ids=ids), theirs(input_ids=ids, output_router_logits=True)
+    torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)
+    gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids[:1, :6], **gen), theirs.generate(ids[:1, :6], **gen))
+
+
+def test_shared_expert_export_is_refused():
+    from models.hf_adapter import to_hf
+
+    with pytest.raises(ModelError, match="shared expert, which transformers' Mixtral"):
+        to_hf(get_config("tiny-moe", shared_expert_intermediate_size=32))

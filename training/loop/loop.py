@@ -17,6 +17,7 @@ from data.examples import IGNORE_INDEX
 from training.engines.base import Engine, StepResult
 from training.loop.divergence import BadStepCounter
 from training.loop.profile import StepProfiler
+from training.loop.routers import router_fields
 from training.loop.saver import Saver
 from training.loop.schedule import Schedule
 from training.loop.timer import StepTimer
@@ -189,7 +190,8 @@ def run(
             profiler.after_step(state.step, logger)
         logger.advance(1)
         if state.step % config.log_every == 0 or state.step == config.steps:
-            _log_train(state, config, lr, result, losses, timer, device, logger)
+            moe = router_fields(engine.module, device)  # {} for a dense model
+            _log_train(state, config, lr, result, losses, timer, device, logger, moe)
         if config.eval_every and state.step % config.eval_every == 0:
             with timer.paused():
                 evaluator(state.step)
@@ -341,7 +343,9 @@ def _count_nonfinite(
     return bad
 
 
-def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, logger) -> None:
+def _log_train(
+    state, config: LoopConfig, lr, result, losses, timer, device, logger, moe: dict
+) -> None:
     steps, seconds = timer.lap()
     grad_norm = result.grad_norm if result.grad_norm is not None else float("nan")
     mean_loss, grad_norm = all_reduce_scalars([losses.take(), grad_norm], device)
@@ -365,6 +369,7 @@ def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, log
             "nonfinite": state.nonfinite,
             "tokens": state.tokens,
             **({"loss_scale": result.loss_scale} if result.loss_scale else {}),
+            **moe,
         }
     )
 

@@ -1,0 +1,76 @@
+"""The MoE user's path: train tiny-moe with the train command on 2 ranks under ZeRO-2 (the
+shipped config), see the routers in metrics.jsonl, export, and load the export in stock
+transformers as Mixtral with the checkpoint's logits and greedy tokens; and an HF Mixtral folder
+trains through --model like any HF folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_RUN, launch, read_metrics
+from transformers import AutoModelForCausalLM, MixtralConfig
+
+from training.checkpoints import layout as ckpt
+from training.checkpoints.hf_export import export_report
+from training.checkpoints.weights import load_model
+
+MOE_RUN = [a if a != "tiny" else "tiny-moe" for a in TINY_RUN]
+
+
+@pytest.fixture(scope="module")
+def moe_run(tiny_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("moe") / "run"
+    launch(["--data", str(tiny_data), "--out", str(run), *MOE_RUN, "--steps", "3",
+            "--ds_config", "ds_configs/zero2.json"])  # fmt: skip
+    return run
+
+
+def test_moe_run_logs_its_routers(moe_run):
+    rows = read_metrics(moe_run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        # 2 layers x 4 experts; 2 ranks x 2 sequences x 64 tokens, 2 experts each: 512 a layer
+        assert 0 <= r["moe_expert_tokens_min"] <= 128 <= r["moe_expert_tokens_max"] <= 512
+        assert r["moe_aux_loss"] >= 2.0 - 1e-3  # k=2 at perfect balance, more otherwise
+        assert r["moe_z_loss"] > 0
+    resolved = json.loads((moe_run / "resolved_config.json").read_text())
+    from models import flops_per_token, get_config
+
+    active = flops_per_token(get_config("tiny-moe", vocab_size=512), 64)
+    assert resolved["flops_per_token"] == pytest.approx(active)  # MFU on the active parameters
+
+
+def test_moe_export_loads_as_mixtral_with_the_same_logits_and_tokens(moe_run, tmp_path):
+    hf = tmp_path / "hf"
+    report = export_report(moe_run, hf)
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    root, tag = ckpt.locate(moe_run)
+    ours = load_model(root, tag, ckpt.load_trainer_state(root, tag))
+    assert type(ours).__name__ == "ZeroStackMoeForCausalLM"
+    theirs = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = ours(input_ids=ids)
+        b = theirs(input_ids=ids, output_router_logits=True)
+    assert (a.logits - b.logits).abs().max().item() < 1e-4
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)  # the same load-balancing loss
+    gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert (ours.generate(ids[:1, :8], **gen) == theirs.generate(ids[:1, :8], **gen)).all()
+    assert report.generated and report.max_logit_diff < 1e-4
+
+
+def test_hf_mixtral_folder_trains(tiny_data, tmp_path):
+    folder = tmp_path / "mixtral"
+    MixtralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, output_router_logits=True,
+    ).save_pretrained(folder)  # fmt: skip
+    run = tmp_path / "run"
+    args = [a if a != "tiny" else str(folder) for a in TINY_RUN]
+    launch(["--data", str(tiny_data), "--out", str(run), *args, "--steps", "2"], nproc=1)
+    rows = read_metrics(run)
+    assert len(rows) == 2 and all(r["loss"] > 0 for r in rows)
