@@ -172,3 +172,20 @@ def test_shared_expert_export_is_refused():
 
     with pytest.raises(ModelError, match="shared expert, which transformers' Mixtral"):
         to_hf(get_config("tiny-moe", shared_expert_intermediate_size=32))
+
+
+def test_train_command_refuses_top_k_above_the_expert_count(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
+    import json
+
+    from conftest import refused
+
+    folder = tmp_path / "bad-moe"
+    folder.mkdir()
+    config = get_config("tiny-moe").to_dict()
+    config["num_experts_per_tok"] = 6  # of 4 experts
+    (folder / "config.json").write_text(json.dumps(config))
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", str(folder)]
+    err = refused(capsys, monkeypatch, tmp_path, argv)
+    assert "num_experts_per_tok (6) is above num_experts (4)" in err
