@@ -137,8 +137,10 @@ class ZeroStackMoeForCausalLM(ZeroStackForCausalLM):
         else:
             super()._init_weights(module)
 
-    def moe_layers(self) -> list[MoeFeedForward]:
-        return [m for m in self.modules() if isinstance(m, MoeFeedForward)]
+    def moe_layers(self) -> list[nn.Module]:
+        """The routed MLPs: ours, or what expert parallelism put in their place (it keeps their
+        `router_logits` up to date, training/engines/)."""
+        return [m for m in self.modules() if hasattr(m, "router_logits")]
 
     def forward(self, *args, **kwargs) -> MoeCausalLMOutputWithPast:
         out = super().forward(*args, **kwargs)

@@ -74,3 +74,33 @@ def test_hf_mixtral_folder_trains(tiny_data, tmp_path):
     launch(["--data", str(tiny_data), "--out", str(run), *args, "--steps", "2"], nproc=1)
     rows = read_metrics(run)
     assert len(rows) == 2 and all(r["loss"] > 0 for r in rows)
+
+
+def test_expert_parallel_step_has_the_one_process_gradient(tmp_path):
+    """2 ranks, each holding 2 of the 4 experts (AutoEP, ZeRO-2, fp32), each a half of the
+    batch: every gradient, experts' included, is the one-process whole-batch gradient within
+    fp32 rounding."""
+    out = tmp_path / "grads.json"
+    launch([str(out)], nproc=2, script="tests/scripts/moe_ep_grads.py")
+    diffs = json.loads(out.read_text())
+    assert any(".experts.w1" in k for k in diffs) and len(diffs) == 22
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] < 1e-5, (worst, diffs[worst])
+
+
+@pytest.mark.parametrize(
+    "ep, dp, experts, words",
+    [
+        (3, 4, 6, "autoep_size=3 does not divide the 4 data-parallel ranks"),
+        (4, 4, 2, "cannot share the model's 2 experts"),
+        (2, 2, 3, "cannot share the model's 3 experts"),
+        (0, 2, 4, "autoep_size must be a positive integer"),
+    ],
+)
+def test_bad_expert_layouts_are_one_line(ep, dp, experts, words):
+    from training.engines.expert_parallel import check_expert_layout
+    from training.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words) as e:
+        check_expert_layout(ep, dp, experts, 2, "ds.json")
+    assert "\n" not in str(e.value)
