@@ -89,18 +89,43 @@ def test_expert_parallel_step_has_the_one_process_gradient(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "ep, dp, experts, words",
+    "ep, world, experts, words",
     [
         (3, 4, 6, "autoep_size=3 does not divide the 4 data-parallel ranks"),
         (4, 4, 2, "cannot share the model's 2 experts"),
         (2, 2, 3, "cannot share the model's 3 experts"),
         (0, 2, 4, "autoep_size must be a positive integer"),
+        (2, 2, None, "expert_parallel is enabled for a model without experts"),
     ],
 )
-def test_bad_expert_layouts_are_one_line(ep, dp, experts, words):
-    from training.engines.expert_parallel import check_expert_layout
+def test_bad_expert_layouts_are_one_line(ep, world, experts, words):
+    from models import get_config
     from training.errors import ConfigError
+    from training.settings import parallel
 
+    cfg = {"expert_parallel": {"enabled": True, "autoep_size": ep}}
+    name = "tiny" if experts is None else "tiny-moe"
+    model = get_config(name, **({"num_experts": experts} if experts else {}))
     with pytest.raises(ConfigError, match=words) as e:
-        check_expert_layout(ep, dp, experts, 2, "ds.json")
+        out = parallel.layout(cfg, world, "ds.json")  # the shape, before the model is known
+        parallel.check_experts(parallel.expert_size(cfg), out.data, model, "ds.json")
     assert "\n" not in str(e.value)
+
+
+def test_train_command_with_expert_parallelism_trains_as_replicated_experts(
+    moe_run, tiny_data, tmp_path
+):
+    """ds_configs/moe_ep2.json: the same run as moe_run (ZeRO-2, experts on every rank) with
+    2 experts on each rank: the same losses within bf16 rounding, the routers logged; its
+    checkpoint saves, and export refuses it in one line."""
+    run = tmp_path / "run"
+    launch(["--data", str(tiny_data), "--out", str(run), *MOE_RUN, "--steps", "3",
+            "--ds_config", "ds_configs/moe_ep2.json"])  # fmt: skip
+    ep, replicated = read_metrics(run), read_metrics(moe_run)
+    for a, b in zip(ep, replicated, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+        assert 0 < a["moe_expert_tokens_min"] <= a["moe_expert_tokens_max"] <= 512
+    from training.errors import ExportError
+
+    with pytest.raises(ExportError, match="an expert-parallel checkpoint"):
+        export_report(run, tmp_path / "hf")

@@ -9,6 +9,9 @@ the 1-rank step's (tests/test_moe_training.py). AutoEP was chosen over DeepSpeed
 `deepspeed.moe.layer.MoE`, whose gate (capacity factor, token dropping, noisy second expert)
 routes differently from Mixtral's and from the exported model.
 
+The layout rules (an expert-parallel size that divides the data-parallel ranks and the
+experts) live with the others in training/settings/parallel.py.
+
 AutoEP's layer keeps no router logits, which our model needs for its load-balancing and z-losses:
 `capture_router_logits` hooks each replaced router so the model finds them where it looks.
 """
@@ -16,8 +19,6 @@ AutoEP's layer keeps no router logits, which our model needs for its load-balanc
 from __future__ import annotations
 
 from torch import nn
-
-from training.errors import ConfigError
 
 
 def autoep_section(ep_size: int) -> dict:
@@ -33,31 +34,6 @@ def autoep_section(ep_size: int) -> dict:
         "top_k_attr": "num_experts_per_tok",
         "use_grouped_mm": False,
     }
-
-
-def check_expert_layout(
-    ep_size: int, data_parallel: int, num_experts: int, top_k: int, source: str
-) -> None:
-    """One ConfigError line for an expert-parallel size the run cannot have: not a positive
-    integer, not dividing the data-parallel ranks, or leaving a rank without an expert or with
-    a share of one (num_experts must divide into ep_size whole parts)."""
-    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
-        raise ConfigError(f"{source}: expert_parallel.autoep_size must be a positive integer")
-    if data_parallel % ep_size:
-        raise ConfigError(
-            f"{source}: expert_parallel.autoep_size={ep_size} does not divide the "
-            f"{data_parallel} data-parallel ranks; launch a multiple of {ep_size}"
-        )
-    if ep_size > num_experts or num_experts % ep_size:
-        raise ConfigError(
-            f"{source}: expert_parallel.autoep_size={ep_size} cannot share the model's "
-            f"{num_experts} experts: each rank must hold the same whole number of experts "
-            "(at least one)"
-        )
-    if top_k > num_experts:
-        raise ConfigError(
-            f"{source}: num_experts_per_tok={top_k} is above the model's {num_experts} experts"
-        )
 
 
 def capture_router_logits(model: nn.Module) -> int:
