@@ -5,9 +5,9 @@ Nothing here imports DeepSpeed or training/: engines apply parallelism to the mo
 
 from models.blocks import transformer_blocks
 from models.compile import compile_blocks
-from models.config import ZeroStackConfig
+from models.config import ZeroStackConfig, ZeroStackMoeConfig
 from models.errors import ModelError
-from models.factory import Partitioned, build_model
+from models.factory import Partitioned, build_model, model_class
 from models.hf_adapter import (
     from_llama_config,
     from_llama_state_dict,
@@ -26,6 +26,7 @@ from models.llama import (
     set_sequence_parallel,
     set_z_loss,
 )
+from models.moe import ZeroStackMoeForCausalLM, router_metrics, take_router_totals
 from models.pipeline import (
     model_state_dict_to_pipeline,
     pipeline_loss,
@@ -39,6 +40,8 @@ __all__ = [
     "Partitioned",
     "ZeroStackConfig",
     "ZeroStackForCausalLM",
+    "ZeroStackMoeConfig",
+    "ZeroStackMoeForCausalLM",
     "build_model",
     "causal_lm_loss",
     "compile_blocks",
@@ -46,6 +49,7 @@ __all__ = [
     "from_llama_config",
     "from_llama_state_dict",
     "get_config",
+    "model_class",
     "model_state_dict_to_pipeline",
     "num_params",
     "pick_attention_kernel",
@@ -53,11 +57,13 @@ __all__ = [
     "pipeline_loss",
     "pipeline_state_dict_to_model",
     "resolve_pretrained",
+    "router_metrics",
     "save_llama",
     "set_attention_kernel",
     "set_document_mask",
     "set_z_loss",
     "set_sequence_parallel",
+    "take_router_totals",
     "to_llama_config",
     "to_llama_state_dict",
     "transformer_blocks",

@@ -79,3 +79,43 @@ class ZeroStackConfig(PretrainedConfig):
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.hidden_size // self.num_attention_heads
+
+
+class ZeroStackMoeConfig(ZeroStackConfig):
+    """Config of `ZeroStackMoeForCausalLM` (models/moe.py): our blocks with a routed MLP.
+
+    `intermediate_size` is one expert's SwiGLU width (Mixtral's meaning). Each token goes to its
+    `num_experts_per_tok` best experts, weighted by a softmax over their router logits; a shared
+    expert of width `shared_expert_intermediate_size` (0: none) sees every token. The training
+    loss adds `router_aux_loss_coef` times the load-balancing loss (Switch/Mixtral) and
+    `router_z_loss_coef` times the router z-loss (ST-MoE).
+    """
+
+    model_type = "zerostack_moe"
+    # Tensor parallelism splits attention only: experts are split by expert parallelism.
+    base_model_tp_plan = {
+        k: v for k, v in ZeroStackConfig.base_model_tp_plan.items() if "feed_forward" not in k
+    }
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.001
+
+    def _validate(self) -> None:
+        super()._validate()
+        e, k = self.num_experts, self.num_experts_per_tok
+        for name, value in (("num_experts", e), ("num_experts_per_tok", k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"{name} must be a positive integer, got {value!r}")
+        if k > e:
+            raise ModelError(
+                f"num_experts_per_tok ({k}) is above num_experts ({e}): a token cannot go to "
+                "more experts than exist"
+            )
+        if self.shared_expert_intermediate_size < 0:
+            raise ModelError("shared_expert_intermediate_size must be 0 (none) or positive")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ModelError(f"{name} must be 0 or positive, got {getattr(self, name)!r}")

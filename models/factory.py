@@ -21,10 +21,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from models.config import ZeroStackConfig, ZeroStackMoeConfig
 from models.errors import ModelError
 from models.hf_adapter import from_llama_config, from_llama_state_dict
 from models.hub import is_hub_name, resolve_pretrained
 from models.llama import ZeroStackForCausalLM
+from models.moe import ZeroStackMoeForCausalLM
 from models.presets import PRESETS, get_config
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
@@ -63,7 +65,8 @@ def build_model(
             overrides["vocab_size"] = vocab_size
         # Drawn before construction, which consumes the RNG differently under ZeRO-3.
         base_seed = int(torch.randint(0, 2**62, (1,)).item())
-        model = ZeroStackForCausalLM._from_config(get_config(spec, **overrides), dtype=dtype)
+        config = get_config(spec, **overrides)
+        model = model_class(config)._from_config(config, dtype=dtype)
         seeded_init(model, base_seed, partitioned)
     elif os.path.isdir(spec) or is_hub_name(spec):
         model = _from_folder(str(resolve_pretrained(spec)), overrides, dtype, partitioned)
@@ -76,6 +79,13 @@ def build_model(
         )
 
     return model
+
+
+def model_class(config: ZeroStackConfig) -> type[ZeroStackForCausalLM]:
+    """Our model class for our config: the MoE model for an MoE config, else the dense one."""
+    if isinstance(config, ZeroStackMoeConfig):
+        return ZeroStackMoeForCausalLM
+    return ZeroStackForCausalLM
 
 
 def seeded_init(
@@ -98,9 +108,11 @@ def seeded_init(
             for p in params:
                 if p.dim() == 1:  # norm scales
                     p.fill_(1.0)
-                else:  # linear and embedding matrices; residual projections carry a smaller std
+                else:  # linear and embedding matrices, stacked experts; residual projections
+                    # carry a smaller std (on the module, or on the parameter for experts)
                     w = torch.empty(p.shape, dtype=torch.float32)
-                    w.normal_(0.0, getattr(module, "init_std", std), generator=gen)
+                    p_std = getattr(p, "init_std", getattr(module, "init_std", std))
+                    w.normal_(0.0, p_std, generator=gen)
                     p.copy_(w)
 
 

@@ -1,18 +1,27 @@
-"""The one place that knows `transformers.LlamaForCausalLM`'s parameter names, and Qwen3's,
-which are Llama's plus a per-head RMSNorm of queries and keys (`q_norm`, `k_norm`): a model
-with `qk_norm` exports as a stock `Qwen3ForCausalLM`, every other as `LlamaForCausalLM`.
+"""The one place that knows `transformers.LlamaForCausalLM`'s parameter names, Qwen3's,
+which are Llama's plus a per-head RMSNorm of queries and keys (`q_norm`, `k_norm`), and
+`MixtralForCausalLM`'s: a model with `qk_norm` exports as a stock `Qwen3ForCausalLM`, our
+mixture-of-experts model as `MixtralForCausalLM`, every other as `LlamaForCausalLM`.
 
 Our rotary embedding uses Hugging Face's `rotate_half` convention, so converting weights either way is pure
-renaming: no permutation of q/k, no reshaping. Configs map field by field.
+renaming: no permutation of q/k, no reshaping. Configs map field by field. Our MoE model exports as Mixtral:
+its blocks are Llama's (no QK-norm, no biases) with Mixtral's router and SwiGLU experts, where Qwen3-MoE
+would add a norm on q and k that our attention does not have.
 """
 
 import os
 import re
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
-from models.config import ZeroStackConfig
+from models.config import ZeroStackConfig, ZeroStackMoeConfig
 from models.errors import ModelError
 
 # (ours, Llama's). Per-block names are relative to `layers.{i}.` / `model.layers.{i}.`.
@@ -58,6 +67,36 @@ def to_llama_state_dict(sd: dict) -> dict:
     return _rename(
         sd, dict(_TOP_LEVEL), dict(_PER_BLOCK), _OURS_BLOCK, "model.layers.", "zerostack"
     )
+
+
+_MOE = "feed_forward."
+
+
+def to_mixtral_state_dict(sd: dict) -> dict:
+    """Our MoE model's state dict -> the names of a Mixtral checkpoint file (what
+    `MixtralForCausalLM.save_pretrained` writes and every transformers version loads): the
+    router as `block_sparse_moe.gate`, each expert as `block_sparse_moe.experts.{e}.w1/w2/w3`,
+    cut from our stacked weights as views (no copy)."""
+    dense = {k: v for k, v in sd.items() if _MOE not in k}
+    out = to_llama_state_dict(dense)
+    for name, t in sd.items():
+        m = _OURS_BLOCK.fullmatch(name)
+        if m is None or not m.group(2).startswith(_MOE):
+            continue
+        prefix, what = f"model.layers.{m.group(1)}.block_sparse_moe.", m.group(2)[len(_MOE) :]
+        if what == "gate.weight":
+            out[prefix + what] = t
+        elif what == "experts.gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{prefix}experts.{e}.w1.weight"] = gate[e]
+                out[f"{prefix}experts.{e}.w3.weight"] = up[e]
+        elif what == "experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}experts.{e}.w2.weight"] = t[e]
+        else:
+            raise ModelError(f"{name}: Mixtral has no such weight (a shared expert?)")
+    return out
 
 
 def from_llama_state_dict(sd: dict) -> dict:
@@ -120,6 +159,39 @@ def _to_qwen3_config(config: ZeroStackConfig) -> Qwen3Config:
         architectures=["Qwen3ForCausalLM"],
         dtype=config.dtype,
     )
+
+
+def to_mixtral_config(config: ZeroStackMoeConfig) -> MixtralConfig:
+    """Our MoE config -> a MixtralConfig of the same shape (`architectures=["MixtralForCausalLM"]`).
+    Mixtral has no shared expert: a model with one is a ModelError."""
+    if getattr(config, "qk_norm", False):
+        raise ModelError(
+            "this MoE model normalises queries and keys (--qk-norm), which transformers' Mixtral "
+            "does not; it cannot be exported as MixtralForCausalLM"
+        )
+    if config.shared_expert_intermediate_size:
+        raise ModelError(
+            "this MoE model has a shared expert, which transformers' Mixtral does not have; "
+            "it cannot be exported as MixtralForCausalLM"
+        )
+    llama = to_llama_config(config).to_dict()
+    keep = set(MixtralConfig.__dataclass_fields__) & set(llama) - {"architectures", "model_type"}
+    return MixtralConfig(
+        **{k: llama[k] for k in keep},
+        num_local_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+        sliding_window=None,
+        architectures=["MixtralForCausalLM"],
+    )
+
+
+def to_hf(config: ZeroStackConfig):
+    """Our config -> (the stock transformers config it exports as, the state-dict renamer):
+    Mixtral for our MoE model, Llama for the dense one."""
+    if isinstance(config, ZeroStackMoeConfig):
+        return to_mixtral_config(config), to_mixtral_state_dict
+    return to_llama_config(config), to_llama_state_dict
 
 
 def from_llama_config(llama_config: LlamaConfig) -> ZeroStackConfig:

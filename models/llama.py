@@ -302,9 +302,10 @@ def set_document_mask(model: nn.Module, separator: int | None) -> None:
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, config: ZeroStackConfig):
+    def __init__(self, config: ZeroStackConfig, width: int | None = None):
         super().__init__()
-        h, i, std = config.hidden_size, config.intermediate_size, config.initializer_range
+        h, std = config.hidden_size, config.initializer_range
+        i = width or config.intermediate_size
         self.w1 = _linear(h, i, std)  # gate
         self.w3 = _linear(h, i, std)  # up
         # down: a residual projection, scaled like wo
@@ -318,12 +319,15 @@ class Block(GradientCheckpointingLayer):
     """Pre-norm transformer block. As a GradientCheckpointingLayer it is recomputed in backward when
     `model.gradient_checkpointing_enable()` (or `_set_gradient_checkpointing`) has switched it on."""
 
-    def __init__(self, config: ZeroStackConfig, layer_idx: int):
+    def __init__(
+        self, config: ZeroStackConfig, layer_idx: int, feed_forward: nn.Module | None = None
+    ):
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = Attention(config, layer_idx)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = FeedForward(config)
+        # the MoE model passes its routed MLP (models/moe.py)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(config)
 
     def forward(self, x, cos, sin, mask=None, past_key_values: Cache | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask, past_key_values)
@@ -459,7 +463,7 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: ZeroStackConfig):
         super().__init__(config)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self._block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = _linear(config.hidden_size, config.vocab_size, config.initializer_range)
         # Token id that ends documents in packed windows, or None: set_document_mask(); not config.
@@ -469,6 +473,9 @@ class ZeroStackForCausalLM(PreTrainedModel, GenerationMixin):
         self.z_loss = 0.0
         self.z_loss_sum: torch.Tensor | None = None
         self.post_init()  # initialises weights through _init_weights and ties output to tok_embeddings if asked
+
+    def _block(self, config: ZeroStackConfig, layer_idx: int) -> Block:
+        return Block(config, layer_idx)
 
     def _init_weights(self, module: nn.Module) -> None:
         init_weights(module, self.config.initializer_range)

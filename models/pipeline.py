@@ -38,6 +38,8 @@ class BlockPipe(Block):
     """One transformer block taking only hidden states; rotary tables come from the shared cache."""
 
     def __init__(self, config: ZeroStackConfig, layer_idx: int):
+        if getattr(config, "num_experts", None):  # its router losses need the whole model's forward
+            raise ModelError("pipeline parallelism does not take the MoE model; use ZeRO 1-2")
         super().__init__(config, layer_idx)
         self.config = config
         for module in self.modules():

@@ -25,6 +25,7 @@ from models import (
     flops_per_token,
     from_llama_state_dict,
     get_config,
+    model_class,
     model_state_dict_to_pipeline,
     num_params,
     pipeline_state_dict_to_model,
@@ -218,7 +219,7 @@ def test_presets_parameter_count_and_flops_formula():
     for name in PRESETS:
         config = get_config(name)
         with torch.device("meta"):  # shapes only: the 13B preset costs nothing here
-            model = ZeroStackForCausalLM(config)
+            model = model_class(config)(config)
         assert sum(p.numel() for p in model.parameters()) == num_params(config), name
     assert num_params(get_config("tiny")) < 1_000_000
     assert 10e6 <= num_params(get_config("small")) <= 20e6

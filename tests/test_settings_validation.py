@@ -312,6 +312,7 @@ SAMPLES = {
     # world 1 here: sizes of 1 (tests/test_parallel_layout.py checks real sizes)
     "tensor_parallel": {"autotp_size": 1},
     "sequence_parallel_size": 1,
+    "expert_parallel": {"enabled": True, "autoep_size": 1},
     "seq_parallel_communication_data_type": "fp32",
     "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
     "fp16": {"enabled": False},
@@ -369,7 +370,13 @@ def test_every_known_key_is_applied_or_refused():
             assert out["gradient_accumulation_steps"] != 1  # the triplet derived from it
         else:
             assert out[key] == SAMPLES[key], key  # handed to deepspeed.initialize as written
-        sized = ("zero_optimization", "pipeline", "tensor_parallel", "sequence_parallel_size")
+        sized = (
+            "zero_optimization",
+            "pipeline",
+            "tensor_parallel",
+            "sequence_parallel_size",
+            "expert_parallel",
+        )
         if key in keys.APPLIED_BY_DEEPSPEED and key not in sized:
             with pytest.raises(ConfigError, match=f"{key} is DeepSpeed's"):
                 resolve({key: SAMPLES[key]}, backend="ddp")

@@ -4,7 +4,7 @@
         [--adapter-only]
 
 From a DeepSpeed (ZeRO 0-3, pipeline), DDP or FSDP2 checkpoint, writes config.json
-(LlamaForCausalLM for our model), model.safetensors (or numbered shards and an index),
+(LlamaForCausalLM for our model, MixtralForCausalLM for our MoE model), model.safetensors (or numbered shards and an index),
 generation_config.json, the tokenizer and a model card (README.md). The weights are the fp32
 master weights, read straight from the checkpoint's files: a ZeRO-3 export cannot come out
 empty, because nothing is gathered from a live engine.
@@ -37,8 +37,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging
 
 from data.files import scratch_folder, why_unwritable
-from models import ZeroStackForCausalLM
-from models.hf_adapter import to_llama_config, to_llama_state_dict
+from models import ModelError, ZeroStackForCausalLM
+from models.hf_adapter import to_hf
 from models.lora import adapter_state_dict, lora_config, parse_lora, to_llama_adapter
 from training.checkpoints import layout as ckpt
 from training.checkpoints.universal_copy import Topology
@@ -109,6 +109,16 @@ def export_report(
     ours = isinstance(config, ZeroStackForCausalLM.config_class)
     if adapter_only and not state.get("lora"):
         raise ExportError(f"--adapter-only: {root / tag} is not a LoRA run's checkpoint")
+    if any((root / tag).glob("layer_*_expert_*_model_states.pt")):
+        raise ExportError(
+            f"{root / tag}: an expert-parallel checkpoint (each rank's experts in its own files); "
+            "export reads only checkpoints whose experts every rank holds"
+        )
+    if ours:
+        try:  # a shape no stock class has (an MoE shared expert) is refused before any work
+            to_hf(config)
+        except ModelError as e:
+            raise ExportError(f"{root / tag}: {e}") from None
 
     model = _load(root, tag, state, torch_dtype, merged=not adapter_only)
     ids = _fixed_batch(config.vocab_size)
@@ -237,11 +247,12 @@ def parse_size(size: str | int) -> int:
 def _save_llama_streaming(
     model, config, folder: Path, dtype: torch.dtype, shard_bytes: int
 ) -> None:
-    """config.json and safetensors shards of our model as LlamaForCausalLM, one tensor at a time."""
-    llama_config = to_llama_config(config)
-    llama_config.dtype = dtype
-    llama_config.save_pretrained(folder)
-    sd = to_llama_state_dict(dict(model.named_parameters()))  # named_parameters skips tied copies
+    """config.json and safetensors shards of our model as LlamaForCausalLM (our MoE model as
+    MixtralForCausalLM), one tensor at a time."""
+    hf_config, rename = to_hf(config)
+    hf_config.dtype = dtype
+    hf_config.save_pretrained(folder)
+    sd = rename(dict(model.named_parameters()))  # named_parameters skips tied copies
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # stored once, as embed_tokens
     write_safetensors(folder, sd, dtype, shard_bytes)

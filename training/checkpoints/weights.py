@@ -19,6 +19,7 @@ from models import (
     ZeroStackForCausalLM,
     build_model,
     from_llama_state_dict,
+    model_class,
     pipeline_state_dict_to_model,
 )
 from models.lora import apply_lora, is_adapter, parse_lora
@@ -111,7 +112,7 @@ def _group_names(config, lora: str | None = None) -> list[list[tuple[str, tuple]
 def _meta_model(config):
     with torch.device("meta"):
         if isinstance(config, ZeroStackForCausalLM.config_class):
-            return ZeroStackForCausalLM(config)
+            return model_class(config)(config)
         return AutoModelForCausalLM.from_config(config)
 
 

@@ -18,6 +18,7 @@ from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
 from models import transformer_blocks
 from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.expert_parallel import capture_router_logits
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
 from training.engines.sequence import SequenceParallel
@@ -71,6 +72,8 @@ class DeepSpeedEngine(Engine):
             # the samples per step are still train_batch_size (micro x accumulation x replicas).
             ds_config = {**ds_config, "train_batch_size": ds_config["train_batch_size"] * tp}
         groups = param_groups(model, optimizer.weight_decay)
+        if parallel.expert_size(ds_config) > 1:  # DeepSpeed splits named groups into expert ones
+            groups = [{**g, "name": f"group{i}"} for i, g in enumerate(groups)]
         torch_optimizer = None
         if "optimizer" not in ds_config:
             # Our own AdamW (fused on this device); DeepSpeed wraps it for ZeRO.
@@ -89,6 +92,9 @@ class DeepSpeedEngine(Engine):
             mpu=self.sequence.mpu if self.sequence else None,
         )
         self.tensor_parallel = tp
+        self.expert_parallel = parallel.expert_size(ds_config)
+        if self.expert_parallel > 1:  # AutoEP replaced the routed MLPs
+            capture_router_logits(self.engine.module)
         # ZeRO-3 marks the weights its persistence threshold covers (settings/ds_config.py:
         # persistence_threshold); all of them: held gathered across micro-steps
         params = list(self.engine.module.parameters())
@@ -213,7 +219,9 @@ class DeepSpeedEngine(Engine):
         from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
         state = dict(client_state)
-        if getattr(self.engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
+        # AutoEP writes its own (which ranks hold which experts) and refuses ours
+        own = self.expert_parallel > 1
+        if not own and getattr(self.engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
             state[UNIVERSAL_CHECKPOINT_INFO] = {}
         # Outside the verified versions DeepSpeed writes its files itself: a synchronous save,
         # which the seal hashes and fsyncs as it does any file the writer did not stage.

@@ -18,6 +18,7 @@ from training.engines.base import Engine, StepResult
 from training.loop import skips
 from training.loop.divergence import BadStepCounter
 from training.loop.profile import StepProfiler
+from training.loop.routers import router_fields
 from training.loop.saver import Saver
 from training.loop.schedule import Schedule
 from training.loop.timer import StepTimer
@@ -199,6 +200,7 @@ def run(
         logger.advance(1)
         if state.step % config.log_every == 0 or state.step == config.steps:
             extra = objective_figures(engine, "train", device)  # DPO's rewards, accuracy
+            extra |= router_fields(engine.module, device)  # MoE's router figures
             _log_train(state, config, lr, result, losses, timer, device, logger, extra)
         if config.eval_every and state.step % config.eval_every == 0:
             with timer.paused():

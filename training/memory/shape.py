@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models import PRESETS, ModelError, ZeroStackConfig, ZeroStackForCausalLM, get_config, lora
+from models import PRESETS, ModelError, ZeroStackConfig, get_config, lora, model_class
 from models.hub import is_hub_name, resolve_pretrained
 
 
@@ -54,7 +54,7 @@ def shape_of_config(cfg, name: str) -> ModelShape:
     """The ModelShape of a model config (ours or any HF causal LM's), built on the meta device."""
     with torch.device("meta"):
         if isinstance(cfg, ZeroStackConfig):
-            model = ZeroStackForCausalLM._from_config(cfg)
+            model = model_class(cfg)._from_config(cfg)
         else:
             model = AutoModelForCausalLM.from_config(cfg)
     # ds_numel: a ZeRO-3 model alive in this process makes transformers build under zero.Init
@@ -78,7 +78,7 @@ def with_lora(shape: ModelShape, cfg, spec) -> ModelShape:
     raises ModelError when a target matches no module."""
     with torch.device("meta"):
         if isinstance(cfg, ZeroStackConfig):
-            model = ZeroStackForCausalLM._from_config(cfg)
+            model = model_class(cfg)._from_config(cfg)
         else:
             model = AutoModelForCausalLM.from_config(cfg)
     added = lora.trainable_count(model, spec)

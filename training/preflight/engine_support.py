@@ -29,7 +29,9 @@ def check_engine(config: RunConfig, cfg: dict, cfg_path: str, precision: str) ->
 def check_parallel(
     config: RunConfig, cfg: dict, layout: parallel.Layout, model_cfg, cfg_path: str
 ) -> None:
-    """What tensor and sequence parallelism need of the model (settings/parallel.py)."""
+    """What tensor, sequence and expert parallelism need of the model (settings/parallel.py)."""
+    if parallel.expert_size(cfg) != 1:
+        parallel.check_experts(parallel.expert_size(cfg), layout.data, model_cfg, cfg_path)
     if layout.tensor == 1 and layout.sequence == 1:
         return
     text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg

@@ -56,13 +56,13 @@ def check_weight_shapes(spec: str, path: Path, config) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from models import ZeroStackForCausalLM, from_llama_config, from_llama_state_dict
+    from models import from_llama_config, from_llama_state_dict, model_class
 
     llama = config.model_type == "llama"
     with torch.device("meta"):
-        if llama or config.model_type == "zerostack":
+        if llama or config.model_type in ("zerostack", "zerostack_moe"):
             ours = from_llama_config(config) if llama else config
-            model = ZeroStackForCausalLM(ours)
+            model = model_class(ours)(ours)
         else:
             model = AutoModelForCausalLM.from_config(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

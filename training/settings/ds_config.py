@@ -84,6 +84,7 @@ KNOWN_KEYS = {
     "zero_quantized_gradients",
     "tensor_parallel",
     "sequence_parallel_size",
+    "expert_parallel",
 }
 
 DEFAULT_MICRO_BATCH = 4

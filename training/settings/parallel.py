@@ -50,6 +50,36 @@ def sequence_size(cfg: dict) -> int:
     return int(cfg.get("sequence_parallel_size", 1) or 1)
 
 
+def expert_size(cfg: dict) -> int:
+    """Ranks per expert group (DeepSpeed AutoEP's `expert_parallel.autoep_size`; 1: off). The
+    experts are split across them; everything else is data-parallel as without experts."""
+    section = cfg.get("expert_parallel") or {}
+    if not isinstance(section, dict) or not section.get("enabled"):
+        return 1
+    return section.get("autoep_size", 1)
+
+
+def check_experts(ep: int, data_parallel: int, model_cfg, source: str) -> None:
+    """One ConfigError line for an expert-parallel size the run cannot have: not a positive
+    integer, not dividing the data-parallel ranks, for a model without experts, or leaving a
+    rank without an expert or with a share of one."""
+    if not sections.is_whole(ep, 1):
+        raise ConfigError(f"{source}: expert_parallel.autoep_size must be a positive integer")
+    if data_parallel % ep:
+        raise ConfigError(
+            f"{source}: expert_parallel.autoep_size={ep} does not divide the "
+            f"{data_parallel} data-parallel ranks; launch a multiple of {ep}"
+        )
+    experts = getattr(model_cfg, "num_experts", None)
+    if model_cfg is not None and not experts:
+        raise ConfigError(f"{source}: expert_parallel is enabled for a model without experts")
+    if experts and (ep > experts or experts % ep):
+        raise ConfigError(
+            f"{source}: expert_parallel.autoep_size={ep} cannot share the model's {experts} "
+            "experts: each rank must hold the same whole number of experts (at least one)"
+        )
+
+
 def layout(cfg: dict, world: int, source: str) -> Layout:
     """The run's layout, with the combinations DeepSpeed does not compose refused."""
     tp_section = cfg.get("tensor_parallel", {})
@@ -67,6 +97,8 @@ def layout(cfg: dict, world: int, source: str) -> Layout:
         )
     pp = int(cfg.get("pipeline", {}).get("stages", 1))
     out = Layout(world, pp, max(tp, 1), sp)
+    if expert_size(cfg) != 1:  # the shape is checked here, the model in preflight
+        check_experts(expert_size(cfg), out.data, None, source)
     _check_composition(out, cfg, source)
     product = out.pipeline * out.tensor * out.sequence
     if world % product:

@@ -57,6 +57,7 @@ APPLIED_BY_DEEPSPEED = {
     "graph_harvesting",
     "tensor_parallel",  # AutoTP; the layout's rules: settings/parallel.py
     "sequence_parallel_size",  # Ulysses; the groups and the model's hook: engines/sequence.py
+    "expert_parallel",  # AutoEP; the layout's rules: settings/parallel.py
     "seq_parallel_communication_data_type",
 }
 # The top-level keys whose value is a section (a JSON object), never a number or a list.
@@ -87,7 +88,7 @@ REFUSED = {
     "hybrid_engine": "it is DeepSpeed-Chat's RLHF engine",
     "weight_quantization": "it is for inference",
     "nebula": "it is Azure's checkpoint service; checkpoints are zerostack's own",
-    "use_data_before_expert_parallel_": "there are no experts (MoE) in zerostack's models",
+    "use_data_before_expert_parallel_": "expert groups are laid out by expert_parallel (AutoEP)",
     "mics_shard_size": "MiCS needs its own model construction (deepspeed.zero.MiCS_Init)",
     "mics_hierarchical_params_gather": "MiCS needs its own model construction",
     "zero_quantized_weights": "ZeRO++ settings live inside zero_optimization",
@@ -160,6 +161,8 @@ def _off(key: str, cfg: dict, steps: int) -> bool:
         return isinstance(v, dict) and v.get("autotp_size", 0) in (0, 1)
     if key == "sequence_parallel_size":
         return v == 1
+    if key == "expert_parallel":
+        return not (isinstance(v, dict) and v.get("enabled")) or v.get("autoep_size", 1) == 1
     if isinstance(v, dict):
         return v.get("enabled") is False or not v
     return v in (False, None)

@@ -1,0 +1,191 @@
+"""The mixture-of-experts model: routing against a plain-PyTorch reference, its router losses,
+its cost, and its refusals."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import ModelError, build_model, flops_per_token, get_config, num_params
+from models.moe import MoeFeedForward, router_metrics, take_router_totals
+
+
+def reference_moe(x, gate_w, gate_up, down, top_k):
+    """Token by token: fp32 router softmax over all experts, the top-k renormalised (Mixtral's
+    formula), each chosen expert's SwiGLU output weighted and summed. Returns (out, experts)."""
+    out = torch.zeros_like(x)
+    chosen = []
+    for t in range(x.shape[0]):
+        probs = torch.softmax(x[t].double() @ gate_w.double().T, dim=-1)
+        p, idx = torch.sort(probs, descending=True)
+        p, idx = p[:top_k] / p[:top_k].sum(), idx[:top_k]
+        chosen.append(sorted(idx.tolist()))
+        for w, e in zip(p.tolist(), idx.tolist()):
+            g, u = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += w * (down[e] @ (F.silu(g) * u))
+    return out, chosen
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_routing_matches_a_token_by_token_reference(top_k):
+    torch.manual_seed(0)
+    config = get_config("tiny-moe", num_experts=4, num_experts_per_tok=top_k)
+    layer = MoeFeedForward(config)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 24, config.hidden_size)
+    with torch.no_grad():
+        got = layer(x).reshape(-1, config.hidden_size)
+        experts = layer.router_logits.topk(top_k, dim=-1).indices.sort(dim=-1).values.tolist()
+        want, want_experts = reference_moe(
+            x.reshape(-1, config.hidden_size),
+            layer.gate.weight,
+            layer.experts.gate_up_proj,
+            layer.experts.down_proj,
+            top_k,
+        )
+    assert experts == want_experts  # the same tokens go to the same experts
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # with the same weights
+
+
+def test_router_runs_in_fp32_under_bf16_autocast():
+    torch.manual_seed(0)
+    layer = MoeFeedForward(get_config("tiny-moe"))
+    x = torch.randn(1, 8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+    assert layer.router_logits.dtype == torch.float32
+
+
+def test_training_loss_adds_the_router_losses_with_their_coefficients():
+    torch.manual_seed(0)
+    model = build_model("tiny-moe", overrides={"router_z_loss_coef": 0.01})
+    x = torch.randint(0, 512, (2, 32))
+    model.eval()
+    ce = model(x, labels=x).loss
+    model.train()
+    out = model(x, labels=x)
+    stats = model.router_stats
+    # reference load-balancing loss, over all layers' tokens together as transformers' Mixtral
+    logits = [m.router_logits for m in model.moe_layers()]  # cleared after the forward
+    assert all(t is None for t in logits)
+    c = model.config
+    want = ce + c.router_aux_loss_coef * stats.aux_loss + c.router_z_loss_coef * stats.z_loss
+    torch.testing.assert_close(out.loss, want)
+    assert stats.tokens_per_expert.shape == (c.num_hidden_layers, c.num_experts)
+    assert (
+        int(stats.tokens_per_expert.sum())
+        == c.num_hidden_layers * x.numel() * c.num_experts_per_tok
+    )
+    model(x, labels=x)  # a second training forward: the totals hold both
+    second = model.router_stats
+    metrics = router_metrics(take_router_totals(model))
+    assert metrics["moe_expert_tokens_min"] <= metrics["moe_expert_tokens_max"]
+    mean_aux = (float(stats.aux_loss) + float(second.aux_loss)) / 2
+    assert metrics["moe_aux_loss"] == pytest.approx(mean_aux)
+    assert take_router_totals(model) is None  # taken: reset
+    # the aux loss alone trains the router
+    model.zero_grad()
+    out.aux_loss.backward()
+    assert model.layers[0].feed_forward.gate.weight.grad.abs().sum() > 0
+
+
+def test_load_balancing_loss_is_mixtrals():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from models.moe import router_stats
+
+    torch.manual_seed(0)
+    logits = [torch.randn(40, 8) * 2 for _ in range(3)]
+    ours = router_stats(logits, top_k=2)
+    theirs = load_balancing_loss_func(tuple(logits), num_experts=8, top_k=2)
+    torch.testing.assert_close(ours.aux_loss, theirs)
+    z = torch.stack([torch.logsumexp(g, -1).square().mean() for g in logits]).mean()
+    torch.testing.assert_close(ours.z_loss, z)
+
+
+def test_parameter_count_and_flops_count_active_experts():
+    config = get_config("tiny-moe")
+    model = build_model("tiny-moe")
+    total = sum(p.numel() for p in model.parameters())
+    assert total == num_params(config)
+    h, i, e, k, layers = 64, 88, 4, 2, 2
+    assert num_params(config) - num_params(config, active=True) == layers * (e - k) * 3 * h * i
+    # MFU counts the experts a token uses, however the caller counted the parameters
+    assert flops_per_token(config, 64, n_params=total) == flops_per_token(config, 64)
+    all_four = get_config("tiny-moe", num_experts_per_tok=4)
+    assert flops_per_token(config, 64) < flops_per_token(all_four, 64)
+
+
+def test_shared_expert_sees_every_token():
+    torch.manual_seed(0)
+    config = get_config("tiny-moe", shared_expert_intermediate_size=32)
+    layer = MoeFeedForward(config)
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        both = layer(x)
+        shared = layer.shared_expert(x)
+        layer.shared_expert = None
+        routed = layer(x)
+    torch.testing.assert_close(both, routed + shared)
+    model = build_model("tiny-moe", overrides={"shared_expert_intermediate_size": 32})
+    assert num_params(config) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok (5) is above num_experts (4)"),
+        ({"num_experts": 0}, "num_experts must be a positive integer"),
+        ({"router_aux_loss_coef": -1.0}, "router_aux_loss_coef must be 0 or positive"),
+    ],
+)
+def test_bad_moe_shapes_are_refused(overrides, words):
+    with pytest.raises(ModelError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        get_config("tiny-moe", **overrides)
+
+
+def test_mixtral_export_is_our_model_in_stock_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from models.hf_adapter import to_hf
+    from training.checkpoints.hf_export import write_safetensors
+
+    torch.manual_seed(0)
+    ours = build_model("tiny-moe", overrides={"num_experts": 5, "num_experts_per_tok": 3}).eval()
+    config, rename = to_hf(ours.config)
+    config.save_pretrained(tmp_path)
+    sd = rename(dict(ours.named_parameters()))  # the tied head is stored once, as embeddings
+    write_safetensors(tmp_path, sd, torch.float32, 2**30)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(input_ids=ids), theirs(input_ids=ids, output_router_logits=True)
+    torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)
+    gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids[:1, :6], **gen), theirs.generate(ids[:1, :6], **gen))
+
+
+def test_shared_expert_export_is_refused():
+    from models.hf_adapter import to_hf
+
+    with pytest.raises(ModelError, match="shared expert, which transformers' Mixtral"):
+        to_hf(get_config("tiny-moe", shared_expert_intermediate_size=32))
+
+
+def test_train_command_refuses_top_k_above_the_expert_count(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
+    import json
+
+    from conftest import refused
+
+    folder = tmp_path / "bad-moe"
+    folder.mkdir()
+    config = get_config("tiny-moe").to_dict()
+    config["num_experts_per_tok"] = 6  # of 4 experts
+    (folder / "config.json").write_text(json.dumps(config))
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", str(folder)]
+    err = refused(capsys, monkeypatch, tmp_path, argv)
+    assert "num_experts_per_tok (6) is above num_experts (4)" in err

@@ -1,0 +1,131 @@
+"""The MoE user's path: train tiny-moe with the train command on 2 ranks under ZeRO-2 (the
+shipped config), see the routers in metrics.jsonl, export, and load the export in stock
+transformers as Mixtral with the checkpoint's logits and greedy tokens; and an HF Mixtral folder
+trains through --model like any HF folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_RUN, launch, read_metrics
+from transformers import AutoModelForCausalLM, MixtralConfig
+
+from training.checkpoints import layout as ckpt
+from training.checkpoints.hf_export import export_report
+from training.checkpoints.weights import load_model
+
+MOE_RUN = [a if a != "tiny" else "tiny-moe" for a in TINY_RUN]
+
+
+@pytest.fixture(scope="module")
+def moe_run(tiny_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("moe") / "run"
+    launch(["--data", str(tiny_data), "--out", str(run), *MOE_RUN, "--steps", "3",
+            "--ds_config", "ds_configs/zero2.json"])  # fmt: skip
+    return run
+
+
+def test_moe_run_logs_its_routers(moe_run):
+    rows = read_metrics(moe_run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        # 2 layers x 4 experts; 2 ranks x 2 sequences x 64 tokens, 2 experts each: 512 a layer
+        assert 0 <= r["moe_expert_tokens_min"] <= 128 <= r["moe_expert_tokens_max"] <= 512
+        assert r["moe_aux_loss"] >= 2.0 - 1e-3  # k=2 at perfect balance, more otherwise
+        assert r["moe_z_loss"] > 0
+    resolved = json.loads((moe_run / "resolved_config.json").read_text())
+    from models import flops_per_token, get_config
+
+    active = flops_per_token(get_config("tiny-moe", vocab_size=512), 64)
+    assert resolved["flops_per_token"] == pytest.approx(active)  # MFU on the active parameters
+
+
+def test_moe_export_loads_as_mixtral_with_the_same_logits_and_tokens(moe_run, tmp_path):
+    hf = tmp_path / "hf"
+    report = export_report(moe_run, hf)
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    root, tag = ckpt.locate(moe_run)
+    ours = load_model(root, tag, ckpt.load_trainer_state(root, tag))
+    assert type(ours).__name__ == "ZeroStackMoeForCausalLM"
+    theirs = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = ours(input_ids=ids)
+        b = theirs(input_ids=ids, output_router_logits=True)
+    assert (a.logits - b.logits).abs().max().item() < 1e-4
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)  # the same load-balancing loss
+    gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert (ours.generate(ids[:1, :8], **gen) == theirs.generate(ids[:1, :8], **gen)).all()
+    assert report.generated and report.max_logit_diff < 1e-4
+
+
+def test_hf_mixtral_folder_trains(tiny_data, tmp_path):
+    folder = tmp_path / "mixtral"
+    MixtralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, output_router_logits=True,
+    ).save_pretrained(folder)  # fmt: skip
+    run = tmp_path / "run"
+    args = [a if a != "tiny" else str(folder) for a in TINY_RUN]
+    launch(["--data", str(tiny_data), "--out", str(run), *args, "--steps", "2"], nproc=1)
+    rows = read_metrics(run)
+    assert len(rows) == 2 and all(r["loss"] > 0 for r in rows)
+
+
+def test_expert_parallel_step_has_the_one_process_gradient(tmp_path):
+    """2 ranks, each holding 2 of the 4 experts (AutoEP, ZeRO-2, fp32), each a half of the
+    batch: every gradient, experts' included, is the one-process whole-batch gradient within
+    fp32 rounding."""
+    out = tmp_path / "grads.json"
+    launch([str(out)], nproc=2, script="tests/scripts/moe_ep_grads.py")
+    diffs = json.loads(out.read_text())
+    assert any(".experts.w1" in k for k in diffs) and len(diffs) == 22
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] < 1e-5, (worst, diffs[worst])
+
+
+@pytest.mark.parametrize(
+    "ep, world, experts, words",
+    [
+        (3, 4, 6, "autoep_size=3 does not divide the 4 data-parallel ranks"),
+        (4, 4, 2, "cannot share the model's 2 experts"),
+        (2, 2, 3, "cannot share the model's 3 experts"),
+        (0, 2, 4, "autoep_size must be a positive integer"),
+        (2, 2, None, "expert_parallel is enabled for a model without experts"),
+    ],
+)
+def test_bad_expert_layouts_are_one_line(ep, world, experts, words):
+    from models import get_config
+    from training.errors import ConfigError
+    from training.settings import parallel
+
+    cfg = {"expert_parallel": {"enabled": True, "autoep_size": ep}}
+    name = "tiny" if experts is None else "tiny-moe"
+    model = get_config(name, **({"num_experts": experts} if experts else {}))
+    with pytest.raises(ConfigError, match=words) as e:
+        out = parallel.layout(cfg, world, "ds.json")  # the shape, before the model is known
+        parallel.check_experts(parallel.expert_size(cfg), out.data, model, "ds.json")
+    assert "\n" not in str(e.value)
+
+
+def test_train_command_with_expert_parallelism_trains_as_replicated_experts(
+    moe_run, tiny_data, tmp_path
+):
+    """ds_configs/moe_ep2.json: the same run as moe_run (ZeRO-2, experts on every rank) with
+    2 experts on each rank: the same losses within bf16 rounding, the routers logged; its
+    checkpoint saves, and export refuses it in one line."""
+    run = tmp_path / "run"
+    launch(["--data", str(tiny_data), "--out", str(run), *MOE_RUN, "--steps", "3",
+            "--ds_config", "ds_configs/moe_ep2.json"])  # fmt: skip
+    ep, replicated = read_metrics(run), read_metrics(moe_run)
+    for a, b in zip(ep, replicated, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+        assert 0 < a["moe_expert_tokens_min"] <= a["moe_expert_tokens_max"] <= 512
+    from training.errors import ExportError
+
+    with pytest.raises(ExportError, match="an expert-parallel checkpoint"):
+        export_report(run, tmp_path / "hf")

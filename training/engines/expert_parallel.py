@@ -1,0 +1,50 @@
+"""Expert parallelism for our MoE model through DeepSpeed's AutoEP (deepspeed.module_inject.auto_ep).
+
+AutoEP, given the patterns below, finds each routed MLP of ZeroStackMoeForCausalLM (a `gate`
+router and Mixtral-style stacked `experts`), replaces it with its own layer holding
+num_experts / ep_size experts per rank, and exchanges tokens between the ranks of an expert
+group with all_to_all_single (gloo does it between CPU ranks). Its router routes as ours does
+(softmax over all experts, top-k, renormalised), so a 2-rank expert-parallel step's gradient is
+the 1-rank step's (tests/test_moe_training.py). AutoEP was chosen over DeepSpeed's older
+`deepspeed.moe.layer.MoE`, whose gate (capacity factor, token dropping, noisy second expert)
+routes differently from Mixtral's and from the exported model.
+
+The layout rules (an expert-parallel size that divides the data-parallel ranks and the
+experts) live with the others in training/settings/parallel.py.
+
+AutoEP's layer keeps no router logits, which our model needs for its load-balancing and z-losses:
+`capture_router_logits` hooks each replaced router so the model finds them where it looks.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def autoep_section(ep_size: int) -> dict:
+    """The DeepSpeed config's `expert_parallel` section for our MoE model on `ep_size` ranks per
+    expert group (the Mixtral preset with our module names; the for-loop expert path, which runs
+    on devices without grouped GEMM)."""
+    return {
+        "enabled": True,
+        "autoep_size": ep_size,
+        "preset_model": "mixtral",
+        "moe_layer_pattern": r"layers\.\d+\.feed_forward",
+        "num_experts_attr": "num_experts",
+        "top_k_attr": "num_experts_per_tok",
+        "use_grouped_mm": False,
+    }
+
+
+def capture_router_logits(model: nn.Module) -> int:
+    """Make every AutoEP layer of `model` keep its router's fp32 logits of the last forward in
+    `router_logits`, as our own routed MLP does; returns how many layers."""
+    layers = [m for m in model.modules() if type(m).__name__ == "AutoEPMoELayer"]
+    for layer in layers:
+        layer.router_logits = None
+
+        def keep(module, inputs, output, layer=layer):
+            layer.router_logits = output.float()
+
+        layer.router.gate.register_forward_hook(keep)
+    return len(layers)
