@@ -199,9 +199,7 @@ def run(
             profiler.after_step(state.step, logger)
         logger.advance(1)
         if state.step % config.log_every == 0 or state.step == config.steps:
-            extra = objective_figures(engine, "train", device)  # DPO's rewards, accuracy
-            extra |= router_fields(engine.module, device)  # MoE's router figures
-            _log_train(state, config, lr, result, losses, timer, device, logger, extra)
+            _log_train(state, config, lr, result, losses, timer, device, logger, engine)
         if config.eval_every and state.step % config.eval_every == 0:
             with timer.paused():
                 evaluator(state.step)
@@ -395,7 +393,11 @@ def _count_nonfinite(
     return bad
 
 
-def _log_train(state, config: LoopConfig, lr, result, losses, timer, device, logger, extra) -> None:
+def _log_train(
+    state, config: LoopConfig, lr, result, losses, timer, device, logger, engine
+) -> None:
+    extra = objective_figures(engine, "train", device)  # DPO's rewards, accuracy
+    extra |= router_fields(engine.module, device)  # MoE's router figures ({} for a dense model)
     steps, seconds = timer.lap()
     grad_norm = result.grad_norm if result.grad_norm is not None else float("nan")
     mean_loss, grad_norm, z_loss = all_reduce_scalars(
