@@ -20,7 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.reliability_tables import checkpoint_gpu, checkpoint_quiet, checkpoint_shared, soak
+from benchmarks.reliability_tables import (
+    checkpoint_gpu,
+    checkpoint_quiet,
+    checkpoint_shared,
+    soak,
+    spike_guard,
+)
 from benchmarks.result_tables import (
     attention_kernels,
     bench_train,
@@ -103,6 +109,7 @@ SECTIONS = [
     Section("doc_mask", "docs/bench_attention.md", doc_mask),
     Section("bench_train", "docs/bench_train.md", bench_train),
     Section("soak", "docs/reliability.md", soak),
+    Section("spike_guard", "docs/reliability.md", spike_guard),
     Section("scale", "docs/scale.md", _scale, *_scale_markers(), ignore=_code_age),
     Section(
         "settings",

@@ -157,3 +157,47 @@ def soak_table(rows: list[dict], a, warm: int, where: str) -> str:
 
 def _failed(r: dict) -> str:
     return ", ".join(k for k, ok in r["checks"].items() if not ok)
+
+
+def spike_guard(results: Path) -> str:
+    """False positives of the spike guard on clean runs: skipped live, and the logged loss and
+    gradient norms replayed through the guard at other thresholds, in log space and linear."""
+    from benchmarks.result_tables import table, where
+
+    path = results / "spike_guard.json"
+    if not path.is_file():
+        return not_yet("python -m benchmarks.spike_rate", "spike_guard.json")
+    d = json.loads(path.read_text())
+    what = {
+        "tiny": "tiny preset, 2 x 64 tokens a rank a step",
+        "quickstart": "quickstart recipe (small preset, examples/quickstart.yaml)",
+    }
+    rows = []
+    for r in d["false_positives"]:
+        sig = sorted(r["replayed_log_norm"], key=float)
+        rows.append(
+            [
+                f"{what.get(r['run'], r['run'])}, {r['steps']} steps",
+                str(r["judged"]),
+                str(len(r["spikes_at_default"])),
+                " / ".join(str(len(r["replayed_log_norm"][k])) for k in sig),
+                " / ".join(str(len(r["replayed_linear_norm"][k])) for k in sig),
+                where(d),
+            ]
+        )
+    at = " / ".join(f"{float(k):g}" for k in sig)
+    head = [
+        "clean run (2 CPU ranks, ZeRO-2)",
+        "steps judged",
+        f"skipped, live ({d['rule']['sigmas']:g} sigma)",
+        f"log-norm rule (ours) at {at} sigma",
+        f"linear rule (OLMo-core's) at {at} sigma",
+        "host, date",
+    ]
+    ratios = ", ".join(f"{r['on_over_off']:.2f}" for r in d["cost"]["rounds"])
+    cost = (
+        f"Cost per step, tiny preset, guard on against `--spike-sigmas 0` in "
+        f"{len(d['cost']['rounds'])} interleaved rounds ({where(d)}): tokens/s ratios {ratios}, "
+        f"median {d['cost']['median_ratio']:.2f}."
+    )
+    return table(head, rows) + "\n\n" + textwrap.fill(cost, 100, break_on_hyphens=False)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.host import host_class
+from benchmarks.provenance import today
 from launch.launcher_argv import launcher_command
 from training.engines.spike_guard import SpikeGuard
 from training.runtime.distributed import free_port
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         spent = cost(a.data, a.rounds, a.cost_steps, root)
     result = {
-        "host": {"machine": platform.machine(), "processor": platform.processor()},
+        "date": today(),
+        "host": host_class(),
         "torch": torch.__version__,
         "rule": {"sigmas": DEFAULT_SIGMAS, "window": WINDOW, "warmup": WINDOW // 2},
         "false_positives": fp,

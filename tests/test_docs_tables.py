@@ -49,6 +49,10 @@ PLANTS = {
         lambda d: d["pass2"]["zero2"]["checkpoints"][0].update(stall_s=0.5),
     ),
     "doc_mask": ("doc_mask_attention.json", lambda d: d["rows"][0].update(forward_ms=100.0)),
+    "spike_guard": (
+        "spike_guard.json",
+        lambda d: d["false_positives"][0]["replayed_log_norm"]["6.0"].append(400),
+    ),
     "scale": (
         "scale.json",
         lambda d: d["350M:zero2:1024"]["train"].update(tokens_per_s=999.0),
