@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.host import host_class
+from benchmarks.provenance import today
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -66,6 +67,7 @@ def main() -> int:
     evals = [r for r in records if r.get("kind") == "eval"]
     manifest = json.loads((data / "manifest.json").read_text())
     result = {
+        "date": today(),
         "host": host_class(),
         "args": {**vars(a), "train": train},
         "pairs": manifest["chat"]["pairs"],

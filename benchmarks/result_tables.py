@@ -406,3 +406,23 @@ def attention_kernels(results: Path) -> str:
         "host, date",
     ]
     return intro + "\n\n" + table(head, rows, {0, 1, 3, 4, 5, 6, 7})
+
+
+def dpo_job(results: Path) -> str:
+    """The offline DPO job's held-out figures: the base model, then each committed run."""
+    files = [f for f in ("dpo_pyfuncs.json", "dpo_pyfuncs_lr1e-3.json") if (results / f).is_file()]
+    if not files:
+        return not_yet("python benchmarks/dpo_job.py", "dpo_pyfuncs.json")
+    runs = [load(results, f) for f in files]
+
+    def cells(e: dict) -> list[str]:
+        figures = ("val_loss", "val_accuracy", "val_prefers_chosen", "val_margin")
+        return [f"{e[figures[0]]:.4f}", *(f"{e[k]:.3f}" for k in figures[1:])]
+
+    pairs = runs[0]["pairs"]["val"]
+    rows = [["base (step 0)", *cells(runs[0]["before"]), where(runs[0])]]
+    for d in runs:
+        a = d["args"]
+        rows.append([f"`--lr {a['lr']}`, {a['steps']} steps", *cells(d["after"]), where(d)])
+    head = [f"held-out ({pairs} pairs)", "DPO loss", "reward accuracy", "prefers chosen"]
+    return table([*head, "reward margin", "host, date"], rows)

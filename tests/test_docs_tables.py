@@ -49,6 +49,7 @@ PLANTS = {
         lambda d: d["pass2"]["zero2"]["checkpoints"][0].update(stall_s=0.5),
     ),
     "doc_mask": ("doc_mask_attention.json", lambda d: d["rows"][0].update(forward_ms=100.0)),
+    "dpo_job": ("dpo_pyfuncs.json", lambda d: d["after"].update(val_accuracy=0.9)),
     "spike_guard": (
         "spike_guard.json",
         lambda d: d["false_positives"][0]["replayed_log_norm"]["6.0"].append(400),
