@@ -6,6 +6,7 @@ a merged folder stock transformers loads); DDP keeps the base weights bit for bi
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,28 @@ def test_ddp_trains_adapters_on_unchanged_base_weights(tiny_data, lora_base, tmp
     for name, value in saved.items():
         same = torch.equal(value, fresh[name].detach())
         assert same != is_adapter(name), name  # the base as it was, the adapters trained
+
+
+@pytest.mark.slow
+def test_lora_on_the_default_config_in_the_runs_own_precision(tiny_data, lora_base, tmp_path):
+    """LoRA as a user runs it by default: zero2.json and precision auto (bf16 on a CPU with bf16
+    units, as here; fp32 on one without). The adapters train (each lora_B leaves its zero
+    init) and export for peft, and nothing else is trainable."""
+    i = RUN.index("--precision")
+    run = RUN[:i] + RUN[i + 2 :]
+    out = tmp_path / "zero2"
+    launch(["--data", str(tiny_data), "--out", str(out), "--model", str(lora_base), *run,
+            "--steps", "3", *LORA])  # fmt: skip
+    record = json.loads((out / "resolved_config.json").read_text())
+    assert Path(record["ds_config_file"]).name == "zero2.json"
+    assert record["precision_choice"]["asked"] == "auto"
+    assert record["trainable_params"] < record["n_params"] / 10  # the adapters alone
+    losses = [r["loss"] for r in read_metrics(out)]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    export_report(out, tmp_path / "adapter", adapter_only=True)
+    weights = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    lora_b = [v for k, v in weights.items() if "lora_B" in k]
+    assert lora_b and all(v.abs().sum() > 0 for v in lora_b)
 
 
 def test_zero0_masters_are_named_as_the_adapters():
