@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,28 @@ def test_dpo_resumes_bit_for_bit_on_the_stored_reference(resumed):
     assert (resumed["stopped"] / "reference" / "train.npy").read_bytes() == resumed["stored"]
     evals = read_metrics(resumed["ref"], "eval")
     assert {"val_accuracy", "val_margin", "val_rewards_chosen"} <= evals[-1].keys()
+
+
+@pytest.mark.slow
+def test_dpo_resumes_on_another_world_size_within_the_cross_world_bound(pairs, resumed, tmp_path):
+    """The 2-rank run's step-3 checkpoint resumed on 1 rank with 2 accumulation steps (the same
+    4 pairs a step) through the universal resume: the stored reference log-probs are read back,
+    and steps 4-6 follow the uninterrupted run within the cross-world bound of
+    tests/test_universal.py (1e-3 relative on the loss)."""
+    run = tmp_path / "one_rank"
+    shutil.copytree(resumed["stopped"], run)
+    step3 = run / "checkpoints" / "step_00000003"
+    assert step3.is_dir()
+    p = launch(["--data", str(pairs["data"]), "--out", str(run), "--model", "tiny", *RUN,
+                "--grad-accum", "2", "--resume", str(step3)], nproc=1)  # fmt: skip
+    assert "read back" in p.stdout + p.stderr  # the stored reference, not recomputed
+    ref = {r["step"]: r for r in read_metrics(resumed["ref"])}
+    again = [r for r in read_metrics(run) if r["step"] > 3]
+    assert [r["step"] for r in again] == [4, 5, 6]
+    for r in again:
+        want = ref[r["step"]]
+        assert abs(r["loss"] - want["loss"]) <= 1e-3 * want["loss"], (r["step"], r, want)
+        assert r["accuracy"] == pytest.approx(want["accuracy"], abs=1e-6)
 
 
 @pytest.mark.slow
