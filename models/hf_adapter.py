@@ -111,8 +111,15 @@ def to_llama_config(config: ZeroStackConfig) -> LlamaConfig | Qwen3Config:
     """Our config -> a LlamaConfig of the same shape, with `architectures=["LlamaForCausalLM"]`;
     with qk_norm a Qwen3Config (full attention in every layer, `Qwen3ForCausalLM`)."""
     if getattr(config, "qk_norm", False):
-        return _to_qwen3_config(config)
-    return LlamaConfig(
+        return Qwen3Config(
+            **_shared_fields(config), use_sliding_window=False, architectures=["Qwen3ForCausalLM"]
+        )
+    return LlamaConfig(**_shared_fields(config), mlp_bias=False, architectures=["LlamaForCausalLM"])
+
+
+def _shared_fields(config: ZeroStackConfig) -> dict:
+    """The fields Llama's and Qwen3's configs share, from ours."""
+    return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -130,33 +137,6 @@ def to_llama_config(config: ZeroStackConfig) -> LlamaConfig | Qwen3Config:
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
         attention_bias=False,
-        mlp_bias=False,
-        architectures=["LlamaForCausalLM"],
-        dtype=config.dtype,
-    )
-
-
-def _to_qwen3_config(config: ZeroStackConfig) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
-        tie_word_embeddings=config.tie_word_embeddings,
-        initializer_range=config.initializer_range,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        attention_bias=False,
-        use_sliding_window=False,
-        architectures=["Qwen3ForCausalLM"],
         dtype=config.dtype,
     )
 
