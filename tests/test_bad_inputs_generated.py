@@ -146,13 +146,19 @@ DS_KEYS = [
     )
 )
 def test_generated_ds_configs(trainer, capsys, tiny_data, tmp_path, text):
-    cfg = tmp_path / "cfgs" / "c.json"
-    cfg.parent.mkdir(exist_ok=True)
-    cfg.write_text(text)
-    before = tree(tiny_data, cfg.parent)
-    argv = [*base(tiny_data, tmp_path / "run"), "--ds_config", str(cfg)]
+    file_given(trainer, capsys, tiny_data, tmp_path, "--ds_config", "c.json", text)
+
+
+def file_given(trainer, capsys, tiny_data, tmp_path, flag: str, name: str, text: str) -> None:
+    """The trainer given `text` as the file `flag` names: accepted, or refused in one line,
+    and neither the data nor the file's folder changed."""
+    given_file = tmp_path / "inputs" / name
+    given_file.parent.mkdir(exist_ok=True)
+    given_file.write_text(text)
+    before = tree(tiny_data, given_file.parent)
+    argv = [*base(tiny_data, tmp_path / "run"), flag, str(given_file)]
     accepted_or_refused(*outcome(capsys, trainer, argv))
-    assert tree(tiny_data, cfg.parent) == before
+    assert tree(tiny_data, given_file.parent) == before
 
 
 SECTIONS = ["data", "model", "optim", "checkpoint", "engine", "eval", "logging", "host", "out"]
@@ -172,13 +178,7 @@ SECTIONS = ["data", "model", "optim", "checkpoint", "engine", "eval", "logging",
     )
 )
 def test_generated_run_files(trainer, capsys, tiny_data, tmp_path, text):
-    run_file = tmp_path / "files" / "run.yaml"
-    run_file.parent.mkdir(exist_ok=True)
-    run_file.write_text(text)
-    before = tree(tiny_data, run_file.parent)
-    argv = [*base(tiny_data, tmp_path / "run"), "--config", str(run_file)]
-    accepted_or_refused(*outcome(capsys, trainer, argv))
-    assert tree(tiny_data, run_file.parent) == before
+    file_given(trainer, capsys, tiny_data, tmp_path, "--config", "run.yaml", text)
 
 
 @FEW
