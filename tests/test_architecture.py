@@ -420,7 +420,7 @@ PLUMBING_VARS = {
     "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",
     # libraries' and tools' own settings, as they read them
     "WANDB_DIR", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "HF_ENDPOINT", "XDG_CACHE_HOME",
-    "CXX",
+    "CXX", "TORCH_EXTENSIONS_DIR",
 }  # fmt: skip
 # Reads whose key is computed, each for a reason: (module, why).
 COMPUTED_ENV_READS = {

@@ -52,7 +52,7 @@ from training.preflight.switches import (
     resolve_switches,
     this_host,
 )
-from training.runtime import patches
+from training.runtime import build_locks, patches
 from training.runtime.cluster import accelerate_ds_config
 from training.runtime.distributed import accelerator
 from training.settings import ds_config, nvme, parallel
@@ -145,6 +145,8 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     shape = shape_of_config(model_cfg, config.model.name)  # counted on the meta device
     host = this_host(config, device, world)
     for line in patches.unverified_lines():  # each patch outside its verified versions, once
+        log(f"warning: {line}")
+    for line in build_locks.warnings():  # a killed op build: the run would wait on it silently
         log(f"warning: {line}")
     want = precisions.asked(config.engine.precision, raw, cfg_path)
     precision = precisions.PLANNED if want == "auto" else want  # chosen at the end

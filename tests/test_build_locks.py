@@ -1,0 +1,42 @@
+"""A build of DeepSpeed's ops killed mid-way leaves torch's `lock` file, and every later run
+that needs the op waits on it forever in silence: the trainer names such a lock before any
+work (training/runtime/build_locks.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from training import train
+from training.runtime import build_locks
+
+
+def lock(path, age_s: float):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def test_only_locks_older_than_any_build_are_stale(tmp_path):
+    old = lock(tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", 3600)
+    lock(tmp_path / "cpu_adam" / "lock", 60)  # a build running now
+    assert build_locks.stale_locks(tmp_path) == [old]
+    [line] = build_locks.warnings(tmp_path)
+    assert str(old) in line and "'deepspeed_shm_comm'" in line and "60 min" in line
+
+
+def test_the_trainer_names_a_stale_lock_before_any_work(tiny_data, tmp_path, monkeypatch, capsys):
+    root = tmp_path / "extensions"
+    old = lock(root / "py311_cpu" / "deepspeed_shm_comm" / "lock", 3600)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    monkeypatch.setattr(train, "run_guarded", lambda *a, **k: 0)  # preflight only
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "tiny",
+            "--seq-len", "64", "--steps", "1"]  # fmt: skip
+    assert train.main(argv) == 0
+    out = capsys.readouterr()
+    warned = [x for x in (out.out + out.err).splitlines() if x.startswith("warning:")]
+    assert any(str(old) in x for x in warned), warned
