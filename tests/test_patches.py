@@ -116,7 +116,8 @@ def test_outside_its_versions_async_save_is_deepspeeds_own_save(monkeypatch):
     me = Stub()
     for verified in (True, False):
         monkeypatch.setattr(ds.patches, "verified", lambda name, ok=verified: ok)
-        ds.DeepSpeedEngine.save(SimpleNamespace(engine=me), "root", "tag", {}, writer=object())
+        engine = SimpleNamespace(engine=me, expert_parallel=1)
+        ds.DeepSpeedEngine.save(engine, "root", "tag", {}, writer=object())
         assert me.checkpoint_engine == "stock"
     assert isinstance(me.used[0], ds.StagedCheckpointEngine) and me.used[1] == "stock"
 
