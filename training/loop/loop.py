@@ -15,12 +15,12 @@ import torch
 
 from data.examples import IGNORE_INDEX
 from training.engines.base import Engine, StepResult
-from training.loop import skips
 from training.loop.divergence import BadStepCounter
 from training.loop.profile import StepProfiler
 from training.loop.routers import router_fields
 from training.loop.saver import Saver
 from training.loop.schedule import Schedule
+from training.loop.skips import NONFINITE_LOSS, NONFINITE_NORM, SPIKE, account
 from training.loop.timer import StepTimer
 from training.loop.validation import Evaluator
 from training.memory.peak import peak_memory_bytes
@@ -235,10 +235,10 @@ def _rolled_back(agreed, result, state, guard, rollback, span, saver, logger, ba
     """Count a skipped step under its reason, give the spike guard the step, and roll the run
     back when its trouble is due (`rollback`: loop/rollback.py's, or None). Returns whether it
     rolled back."""
-    why = skips.account(agreed, result, state, guard, logger)
+    why = account(agreed, result, state, guard, logger)
     if guard is not None:
         guard.commit()
-    trouble = why in (skips.SPIKE, skips.NONFINITE_LOSS, skips.NONFINITE_NORM)
+    trouble = why in (SPIKE, NONFINITE_LOSS, NONFINITE_NORM)
     if rollback is None or not rollback.note(state, trouble, span, saver, logger):
         return False
     bad_steps.in_a_row = 0
