@@ -82,18 +82,23 @@ def _weights(folder, config: str) -> dict:
 @pytest.mark.parametrize("config", ["zero3", "ddp", "fsdp"])
 def test_the_spike_guard_skips_on_every_engine(tiny_data, tmp_path, config):
     """A 10-step 2-rank run per engine, saving every step (near a minute on 2 cores): the guard's
-    warm-up comes first, and the weights around the spike are read from two checkpoints."""
+    warm-up comes first, and the weights around the spike are read from two checkpoints. On ddp
+    the run is stopped and resumed one step before the spike."""
     engine = {"ddp": ["--backend", "ddp"], "fsdp": ["--backend", "fsdp"]}.get(
         config, ["--ds_config", f"ds_configs/{config}.json"]
     )
     env, _ = poison_env(tiny_data, 10)
     out = tmp_path / "run"
-    extra = ["--spike-window", "8", "--rollback-after", "0", "--stop-at", "10", "--keep-last", "0"]
-    launch(
-        run_args(tiny_data, out, *engine, *extra, "--steps", "12", "--save-every", "1"),
-        env=env,
-        script=SPIKE_TRAIN,
-    )
+    extra = ["--spike-window", "8", "--rollback-after", "0", "--keep-last", "0"]
+    # ddp also stops after step 9 and resumes: the guard's history must come back with the
+    # checkpoint, or the resumed guard is warming up again and lets step 10 through
+    for stop in ["9", "10"] if config == "ddp" else ["10"]:
+        launch(
+            run_args(tiny_data, out, *engine, *extra, "--steps", "12", "--save-every", "1")
+            + ["--stop-at", stop],
+            env=env,
+            script=SPIKE_TRAIN,
+        )
     (spike,) = read_metrics(out, "spike")
     assert spike["step"] == 10 and spike["loss"] > spike["loss_limit"]
     rows = {r["step"]: r for r in read_metrics(out)}
@@ -119,3 +124,44 @@ def test_the_guard_flags_a_spike_only_after_its_warmup():
         guard.commit()
     # step 4's jump is inside the warm-up; 30 by its loss, 33 by its gradient norm
     assert [i for i, f in enumerate(flagged) if f] == [30, 33]
+
+
+def _fed(guard, steps: range, seed: int) -> list[list[float]]:
+    """Feed `guard` a noisy falling loss and norm for `steps`; the limits each step was held to."""
+    rng = np.random.default_rng(seed)
+    limits = []
+    for i in steps:
+        guard.begin(torch.tensor(5.0 - 0.01 * i + rng.normal(0, 0.05)))
+        guard.gate(torch.tensor(1.0 + rng.normal(0, 0.05)))
+        limits.append(guard.limits.tolist())
+        guard.commit()
+    return limits
+
+
+def test_the_guards_history_resumes_from_a_checkpoint_exactly():
+    """Saved at step 20 through trainer_state.json's JSON, the resumed guard holds steps 21-30
+    to the unbroken guard's limits bit for bit (a fresh one would still be warming up)."""
+    from training.engines.spike_guard import SpikeGuard
+
+    def guard(window: int = 16) -> SpikeGuard:
+        return SpikeGuard(6.0, window, 8, torch.device("cpu"))
+
+    unbroken, stopped = guard(), guard()
+    _fed(unbroken, range(20), seed=0)
+    _fed(stopped, range(20), seed=0)
+    saved = json.loads(json.dumps(stopped.state_dict()))
+    resumed = guard()
+    resumed.load_state_dict(saved)
+    expected = _fed(unbroken, range(20, 30), seed=1)
+    assert all(np.isfinite(expected[0]))
+    assert _fed(resumed, range(20, 30), seed=1) == expected
+
+    # Another window keeps the newest accepted steps, oldest first: a window of 4 resumed holds
+    # what a window-4 guard fed the same 20 steps holds
+    narrow, fed_narrow = guard(4), guard(4)
+    narrow.load_state_dict(saved)
+    _fed(fed_narrow, range(20), seed=0)
+    assert narrow.state_dict()["count"] == 4
+    assert sorted(map(tuple, zip(*narrow.state_dict()["history"]))) == sorted(
+        map(tuple, zip(*fed_narrow.state_dict()["history"]))
+    )

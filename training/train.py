@@ -362,6 +362,7 @@ def train_loop(t: Training) -> dict:
         if config.logging.profile
         else None,
     )
+    guard, rollback = safeguards(config.optim, engine, loader, dist, run_dir, t.state)
     saver = Saver(
         engine,
         loader,
@@ -373,6 +374,7 @@ def train_loop(t: Training) -> dict:
         run_facts=trainer_facts(record),
         device=dist.device,
         followups=t.followups,
+        guard=guard,
     )
     evaluator = Evaluator(
         engine,
@@ -382,7 +384,6 @@ def train_loop(t: Training) -> dict:
         device=dist.device,
         logger=logger,
     )
-    guard, rollback = safeguards(config.optim, engine, loader, dist, run_dir)
     watch_for_hangs(config, dist, run_dir)
     try:
         return run(
@@ -414,7 +415,7 @@ def watch_for_hangs(config: RunConfig, dist: DistInfo, run_dir: Path) -> None:
     hang.start(run_dir, dist.rank, engine.hang_factor, engine.hang_floor_s, on_hang, last)
 
 
-def safeguards(optim, engine: Engine, loader, dist: DistInfo, run_dir: Path):
+def safeguards(optim, engine: Engine, loader, dist: DistInfo, run_dir: Path, state: LoopState):
     """The spike guard (its gate set on the engine; None when off, and on the pipeline engine,
     which steps inside one train_batch call) and the rollback past troubled data."""
     guard = None
@@ -422,6 +423,7 @@ def safeguards(optim, engine: Engine, loader, dist: DistInfo, run_dir: Path):
         window = optim.spike_window
         guard = SpikeGuard(optim.spike_sigmas, window, window // 2, dist.device)
         engine.spike_gate = guard.gate
+        guard.load_state_dict(state.guard)  # a resumed run's: where the checkpoint left it
     rollback = Rollback(
         optim.rollback_after,
         optim.rollback_window,
@@ -433,6 +435,7 @@ def safeguards(optim, engine: Engine, loader, dist: DistInfo, run_dir: Path):
         world=dist.world,
         run_dir=run_dir,
         is_main=dist.is_main,
+        guard=guard,
     )
     return guard, rollback
 

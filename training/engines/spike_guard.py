@@ -112,6 +112,30 @@ class SpikeGuard:
         self.history.index_copy_(1, slot, torch.where(ok, row, old)[:, None])
         self.count += ok.to(torch.int64)
 
+    def state_dict(self) -> dict:
+        """The accepted history, for a checkpoint's trainer state (plain numbers: JSON keeps
+        float64 exactly). Read on the host, so only when saving."""
+        return {"window": self.window, "count": int(self.count), "history": self.history.tolist()}
+
+    def load_state_dict(self, saved: dict | None) -> None:
+        """The history a checkpoint saved, so a resumed run judges its next steps as the run
+        that never stopped would. Another --spike-window keeps the newest accepted steps that
+        fit, oldest first; None (a checkpoint from before the guard kept its history, or saved
+        with the guard off) leaves the guard to warm up again."""
+        if not saved:
+            return
+        history = torch.tensor(saved["history"], dtype=torch.float64, device=self.device)
+        count, window = int(saved["count"]), int(saved["window"])
+        if window == self.window:
+            self.history.copy_(history)
+            self.count.fill_(count)
+            return
+        kept = min(count, window, self.window)
+        slots = [(count - kept + i) % window for i in range(kept)]  # oldest first
+        self.history.zero_()
+        self.history[:, :kept] = history[:, slots]
+        self.count.fill_(kept)
+
     def figures(self) -> dict:
         """The step's loss and norm and the thresholds they were held to (host numbers: call only
         when logging)."""

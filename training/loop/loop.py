@@ -37,6 +37,7 @@ class LoopState:
     nonfinite: int = 0  # bf16/fp32 steps with a non-finite loss or gradient norm
     skipped_by: dict = field(default_factory=dict)  # reason -> skipped steps (loop/skips.py)
     rollbacks: int = 0  # reloads past troubled data (loop/rollback.py)
+    guard: dict | None = None  # the spike guard's history a checkpoint saved (to resume it)
 
 
 @dataclass(frozen=True)

@@ -35,4 +35,5 @@ def restore(plan: ResumePlan, engine: Engine, loader, rank: int, world: int) -> 
         saved.get("nonfinite", 0),
         dict(saved.get("skipped_by", {})),
         saved.get("rollbacks", 0),
+        saved.get("spike_guard"),
     )

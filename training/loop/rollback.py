@@ -33,11 +33,13 @@ class Rollback:
         world: int,
         run_dir: Path,
         is_main: bool,
+        guard=None,
     ):
         self.after, self.window, self.limit = after, window, limit
         self.engine, self.loader, self.root = engine, loader, Path(root)
         self.rank, self.world, self.run_dir, self.is_main = rank, world, Path(run_dir), is_main
         self.troubles: list[tuple[int, tuple[int, int]]] = []  # (step, its [start, end) samples)
+        self.guard = guard  # engines/spike_guard.py's history goes back with the weights
 
     def note(self, state, trouble: bool, span: tuple[int, int], saver, logger) -> bool:
         """Step `state.step`, which read global samples `span`, was skipped for `trouble` (a
@@ -98,6 +100,8 @@ class Rollback:
             layout.set_rng_state(rngs[self.rank])
         # the counters of skipped steps keep what happened; the rest is the checkpoint's
         state.step, state.tokens = saved["step"], saved["tokens"]
+        if self.guard is not None:  # judged from here as it was at the checkpoint
+            self.guard.load_state_dict(saved.get("spike_guard"))
 
     def _write_record(self, record: dict) -> None:
         path = self.run_dir / RECORD

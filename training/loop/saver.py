@@ -50,6 +50,7 @@ class Saver:
         run_facts: dict,
         device=None,
         followups=None,
+        guard=None,
     ):
         """`checkpoint`: the run's checkpoint section (how many to keep, --async-save)."""
         self.engine, self.loader, self.logger = engine, loader, logger
@@ -60,6 +61,7 @@ class Saver:
         self.pending: InFlight | None = None
         # rank 0's background work on sealed checkpoints (loop/followups.py), else None
         self.followups = followups
+        self.guard = guard  # engines/spike_guard.py: its history goes into each checkpoint
 
     def __call__(self, state) -> None:
         """All ranks call: checkpoint the end of step `state.step` (with --async-save: start
@@ -71,6 +73,7 @@ class Saver:
             "nonfinite": state.nonfinite,
             "skipped_by": dict(state.skipped_by),
             "rollbacks": state.rollbacks,
+            "spike_guard": self.guard.state_dict() if self.guard is not None else None,
             "data": self.loader.state_dict(),
             "world": self.world,
             **self.run_facts,
