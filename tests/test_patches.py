@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY_RUN, launch, read_metrics, shm_has_room
+from conftest import REPO, TINY_RUN, free_port, launch, read_metrics, shm_has_room
 
 from training.runtime import patches
 
@@ -130,6 +133,43 @@ def test_the_swapped_optimizer_workaround_finds_the_bug_it_works_around():
     from training.engines.ds import skips_swapped_optimizer_file
 
     assert skips_swapped_optimizer_file() is (deepspeed.__version__ == "0.19.8")
+
+
+ZERO_CHECK = """
+import json, os, sys, torch, deepspeed, deepspeed.runtime.engine as e
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from training.engines.ds import zero_check_without_muon
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+os.environ["MASTER_PORT"] = sys.argv[1]
+deepspeed.init_distributed("gloo")
+p = [torch.nn.Parameter(torch.zeros(2))]
+ours = [torch.optim.AdamW(p), DeepSpeedCPUAdam.__new__(DeepSpeedCPUAdam)]
+with zero_check_without_muon():
+    patched = [e.is_zero_supported_optimizer(o) for o in ours]
+    muon = "deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules
+    patched.append(e.is_zero_supported_optimizer(torch.optim.SGD(p, lr=0.1)))
+stock = [e.is_zero_supported_optimizer(o) for o in [*ours, torch.optim.SGD(p, lr=0.1)]]
+print(json.dumps([patched, muon, stock]))
+"""
+
+
+def test_the_zero_check_without_muon_answers_as_stock():
+    """Stock against patched, in a fresh interpreter: the same verdict on the optimizers
+    zerostack builds (torch's AdamW, DeepSpeed's CPU Adam for the offload configs) and on one
+    off DeepSpeed's list (SGD, which goes to the stock check), with Muon never imported for
+    ours."""
+    p = subprocess.run(
+        [sys.executable, "-c", ZERO_CHECK, str(free_port())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    patched, muon, stock = json.loads(p.stdout.strip().splitlines()[-1])
+    assert patched == stock == [True, True, False]
+    assert not muon
 
 
 RUN = [*TINY_RUN, "--precision", "fp32", "--steps", "3", "--save-every", "-1"]

@@ -4,6 +4,7 @@ config."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from pathlib import Path
@@ -39,6 +40,30 @@ def gather_blocks_whole(model) -> bool:
     if classes:
         set_z3_leaf_modules(model, classes)
     return bool(classes)
+
+
+@contextlib.contextmanager
+def zero_check_without_muon():
+    """While deepspeed.initialize runs: its ZeRO check of the optimizer's type answers from
+    DeepSpeed's list of supported optimizers without first importing its Muon optimizer, whose
+    import compiles kernels (torch.compile pulls in inductor: 1-2 s of every start, under
+    --no-compile too). The optimizers zerostack builds are on that list; any other optimizer
+    goes to the stock check."""
+    if not patches.verified("zero_check_without_muon"):  # said once at start (preflight)
+        yield
+        return
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    stock = deepspeed.runtime.engine.is_zero_supported_optimizer
+
+    def check(optimizer) -> bool:
+        return type(optimizer) in ZERO_SUPPORTED_OPTIMIZERS or stock(optimizer)
+
+    deepspeed.runtime.engine.is_zero_supported_optimizer = check
+    try:
+        yield
+    finally:
+        deepspeed.runtime.engine.is_zero_supported_optimizer = stock
 
 
 class DeepSpeedEngine(Engine):
@@ -84,13 +109,14 @@ class DeepSpeedEngine(Engine):
             ds_config = {**ds_config, "gradient_allreduce_op": "sum"}
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
         # from the same parameter groups.
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=torch_optimizer,
-            model_parameters=groups if torch_optimizer is None else None,
-            config=ds_config,
-            mpu=self.sequence.mpu if self.sequence else None,
-        )
+        with zero_check_without_muon():
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model,
+                optimizer=torch_optimizer,
+                model_parameters=groups if torch_optimizer is None else None,
+                config=ds_config,
+                mpu=self.sequence.mpu if self.sequence else None,
+            )
         self.tensor_parallel = tp
         self.expert_parallel = parallel.expert_size(ds_config)
         if self.expert_parallel > 1:  # AutoEP replaced the routed MLPs
