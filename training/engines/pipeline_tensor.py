@@ -20,7 +20,13 @@ without its `tensor_parallel` section). What is ours is only which linear layer 
 from __future__ import annotations
 
 import torch.distributed as dist
-from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.module_inject.layers import (
+    LinearAllreduce,
+    LinearLayer,
+    collect_autotp_universal_checkpoint_info,
+    set_autotp_mode,
+)
 from deepspeed.module_inject.tp_shard import AutoTPMeta
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -48,7 +54,9 @@ def without_tensor_parallel(ds_config: dict) -> dict:
 def split_stage(module, group, config) -> int:
     """Replace the linear layers of every block this rank's stage holds by their
     tensor-parallel slices over `group` (the whole weights must be loaded first: each rank
-    keeps its slice of them). Returns how many layers were split."""
+    keeps its slice of them). The module then carries AutoTP's record of which weights are
+    split how, which DeepSpeed saves with every checkpoint (export joins the slices by it).
+    Returns how many layers were split."""
     set_autotp_mode(training=True)  # DeepSpeed's layers all-reduce with autograd in training mode
     meta = AutoTPMeta.from_model_config(config)
     n = 0
@@ -61,4 +69,5 @@ def split_stage(module, group, config) -> int:
                 name = f"{prefix}.{sub}.{attr}"
                 setattr(parent, attr, kind(getattr(parent, attr), group, name=name, tp_meta=meta))
                 n += 1
+    setattr(module, UNIVERSAL_CHECKPOINT_INFO, collect_autotp_universal_checkpoint_info(module))
     return n
