@@ -146,6 +146,36 @@ def test_pp2_x_tp2_exports_the_model_zero1_trains(runs, tiny_data, tmp_path):
     assert close(sum(losses) / len(losses), ran, 1e-5), (losses, ran)
 
 
+# (ranks, shipped config, batch flags giving the same 8 sequences a step) in fp32
+MOVES = {
+    "one_rank": (1, "zero1.json", ["--grad-accum", "4"]),
+    "tp2": (2, "tp2.json", ["--grad-accum", "4"]),
+    "pp2": (2, "pipeline.json", ["--grad-accum", "4"]),
+    "zero2_x2": (2, "fp32.json", ["--grad-accum", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MOVES))
+def test_pp2_x_tp2_resumes_universally(runs, tiny_data, tmp_path, name):
+    """pp2 x tp2's step 5 resumed through a universal copy (each stage's slices joined, every
+    parameter whole under the model's names) on another layout for steps 6 and 7: the same
+    losses as the 3D run's own, so weights, moments and step count carried over."""
+    nproc, cfg, batch = MOVES[name]
+    step5 = runs["pptp"] / "checkpoints" / "step_00000005"
+    args = ["--data", str(tiny_data), "--out", str(tmp_path / name), *TINY_RUN, *STEPS, *batch]
+    args += [*variant(tmp_path, name, cfg, bf16=None), "--resume", str(step5)]
+    p = launch([*args, "--stop-at", "7", "--save-every", "0"], nproc=nproc, timeout=900)
+    assert "universal: saved on 4 ranks, ZeRO-1, 2 tensor-parallel, 2 pipeline stages" in (
+        p.stdout + p.stderr
+    )
+    got, ref = read_metrics(tmp_path / name), read_metrics(runs["pptp"])
+    assert [r["step"] for r in got] == [6, 7]
+    for a, b in zip(got, ref[5:7]):
+        assert close(a["loss"], b["loss"], 1e-5), (a, b)
+        assert a["tokens"] == b["tokens"]
+
+
 @pytest.fixture
 def base(tiny_data, tmp_path):
     return ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "tiny"]
