@@ -18,11 +18,12 @@ def resolve(cfg, world=2, **flags):
 
 def test_every_shipped_config_resolves_with_no_auto_left(tmp_path):
     for path in sorted((C.Path(__file__).parent.parent / "ds_configs").glob("*.json")):
-        out = resolve(C.load_json(path), micro_batch=2, grad_accum=3)
+        world = 4 if path.stem == "pipeline_tp2" else 2  # 3D: pp2 x tp2
+        out = resolve(C.load_json(path), world=world, micro_batch=2, grad_accum=3)
         assert '"auto"' not in json.dumps(out), path
-        replicas = parallel.layout(out, 2, str(path)).data  # world / (pp x tp x sp)
+        replicas = parallel.layout(out, world, str(path)).data  # world / (pp x tp x sp)
         assert out["train_batch_size"] == 2 * 3 * replicas
-        assert replicas == (1 if path.stem in ("pipeline", "tp2", "sp2") else 2), path
+        assert replicas == (1 if path.stem in ("pipeline", "tp2", "sp2", "pipeline_tp2") else 2), path
         assert not any(k.startswith("_") for k in out)
 
 
@@ -180,7 +181,8 @@ def test_a_cpu_resolves_the_device_autos_as_the_configs_said_before():
     for path in asked:
         raw = C.load_json(path)
         device_autos += raw != _device_autos_as(raw, "x")
-        kw = dict(world=2, hidden_size=64, device_type="cpu", **sections(micro_batch=2))
+        world = 4 if path.stem == "pipeline_tp2" else 2  # 3D: pp2 x tp2
+        kw = dict(world=world, hidden_size=64, device_type="cpu", **sections(micro_batch=2))
         assert C.resolve(raw, **kw) == C.resolve(_device_autos_as(raw, False), **kw), path
     assert device_autos >= 7  # every ZeRO config and both offload sections say auto
 

@@ -43,6 +43,7 @@ UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.
 _OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL12 = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 _MODEL3 = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
+_LAYER_TP = re.compile(r"-model_(\d+)-model_states\.pt$")
 
 
 class ZeroFiles:
@@ -84,20 +85,26 @@ class ZeroFiles:
             if not f.is_file():
                 raise CheckpointError(f"{self.folder}: {f.name} is missing")
         self._first = None
-        # mp_rank_XX is a pipeline stage under the pipeline engine (one layer_XX file per
-        # layer beside them) and a tensor-parallel rank under AutoTP. (DeepSpeed's recorded
-        # tp_degree is not the test: under Ulysses it reports the sequence-parallel size.)
-        pipelined = any(self.folder.glob("layer_*-model_states.pt"))
-        self.tensor_parallel = self.mp if self.mp > 1 and not pipelined else 1
-        self._tp_layout = None
+        # mp_rank_XX is a tensor-parallel rank under AutoTP, a pipeline stage under the
+        # pipeline engine (one layer_XX file per layer beside them), and stage x tensor-parallel
+        # rank (stage-major) with tensor-parallel stages, whose layer files then read
+        # layer_XX-model_YY. (DeepSpeed's recorded tp_degree is not the test: under Ulysses it
+        # reports the sequence-parallel size.)
+        layers = [n for n in names if n.startswith("layer_") and n.endswith("-model_states.pt")]
+        piped_tp = {int(m.group(1)) for n in layers if (m := _LAYER_TP.search(n))}
+        self.tensor_parallel = (1 + max(piped_tp, default=0)) if layers else self.mp
+        self._tp_layouts = []
         if self.tensor_parallel > 1:
             if self.stage == 3:
                 raise CheckpointError(
                     f"{self.folder}: ZeRO-3 files of {self.mp} tensor-parallel ranks; only "
                     "AutoTP with ZeRO 0-2 is readable"
                 )
-            top = load_mapped(self.model_files_by_mp[0])
-            self._tp_layout = _TensorLayout(self.folder, top.get(UNIVERSAL_CHECKPOINT_INFO))
+            for first in range(0, self.mp, self.tensor_parallel):  # one record per stage
+                top = load_mapped(self.model_files_by_mp[first])
+                self._tp_layouts.append(
+                    _TensorLayout(self.folder, top.get(UNIVERSAL_CHECKPOINT_INFO))
+                )
 
     def params(self, keys=STATE_KEYS) -> Iterator[tuple[str, Mapping[str, torch.Tensor], object]]:
         """Yield (name, states, step) for every trained parameter, in the order the model
@@ -105,8 +112,12 @@ class ZeroFiles:
         full-shape fp32 tensor when asked, so only what is asked for is ever in memory."""
         if self.stage == 3:
             yield from self._params_stage3(keys)
-        elif self._tp_layout is not None:
-            yield from self._params_tensor_parallel(keys)
+        elif self._tp_layouts:
+            done = set()  # a tied weight that an earlier pipeline stage also holds
+            for stage, layout in enumerate(self._tp_layouts):
+                first = stage * self.tensor_parallel
+                mps = range(first, first + self.tensor_parallel)
+                yield from self._params_tensor_parallel(keys, mps, layout, done)
         else:
             yield from self._params_stage12(keys)
 
@@ -125,21 +136,25 @@ class ZeroFiles:
                     done.add(name)
             del sds
 
-    def _params_tensor_parallel(self, keys):
-        """AutoTP: every tensor-parallel rank's file set holds every parameter (its slice, or
-        the whole of a replicated one); join the slices along the dimension AutoTP split."""
-        shapes = [load_mapped(f)["param_shapes"] for f in self.model_files_by_mp]
-        sds = [
-            [load_mapped(f)["optimizer_state_dict"] for f in files] for files in self.optim_files
-        ]
-        for g, group in enumerate(shapes[0]):
-            flats = [
-                {k: [_flat(sd, g, k) for sd in sds[mp]] for k in keys} for mp in range(self.mp)
-            ]
-            step = sds[0][0]["base_optimizer_state"]["state"][g].get("step")
+    def _params_tensor_parallel(self, keys, mps=None, layout=None, done=None):
+        """AutoTP: every tensor-parallel rank's file set (`mps`: those of one tensor-parallel
+        group, all by default) holds every parameter (its slice, or the whole of a replicated
+        one); join the slices along the dimension `layout` says the split was made."""
+        mps = list(mps if mps is not None else range(self.mp))
+        layout, done = layout or self._tp_layouts[0], done if done is not None else set()
+        shapes = {mp: load_mapped(self.model_files_by_mp[mp])["param_shapes"] for mp in mps}
+        sds = {
+            mp: [load_mapped(f)["optimizer_state_dict"] for f in self.optim_files[mp]] for mp in mps
+        }
+        for g, group in enumerate(shapes[mps[0]]):
+            flats = {mp: {k: [_flat(sd, g, k) for sd in sds[mp]] for k in keys} for mp in mps}
+            step = sds[mps[0]][0]["base_optimizer_state"]["state"][g].get("step")
             for name in group:
+                if name in done:
+                    continue
+                done.add(name)
                 slices = []
-                for mp in range(self.mp):
+                for mp in mps:
                     local = shapes[mp][g].get(name) if g < len(shapes[mp]) else None
                     if local is None:
                         raise CheckpointError(
@@ -148,7 +163,7 @@ class ZeroFiles:
                         )
                     pieces = self._pieces(sds[mp], g, name, local)
                     slices.append(_States(flats[mp], pieces, local))
-                dim = self._tp_layout.split_dim(name, [s.shape for s in slices])
+                dim = layout.split_dim(name, [s.shape for s in slices])
                 yield name, (slices[0] if dim is None else _Joined(slices, dim)), step
 
     def _pieces(self, sds, g: int, name: str, shape) -> list[tuple[int, int, int]]:

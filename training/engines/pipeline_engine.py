@@ -31,6 +31,8 @@ from models.pipeline import (
 )
 from training.engines.base import OptimizerConfig, StepResult
 from training.engines.ds import DeepSpeedEngine
+from training.engines.pipeline_tensor import split_stage, stage_topology, without_tensor_parallel
+from training.settings import parallel
 
 # Without send/recv (gloo), DeepSpeed passes activations between stages by broadcasting the
 # sender's own output tensor, which leaves a broadcast_ node in its graph. It does not change the
@@ -53,9 +55,11 @@ def build_pipeline_module(
     partition_method: str = "parameters",
     activation_checkpoint_interval: int = 0,
     loss_fn=None,
+    tensor: int = 1,
 ) -> PipelineModule:
     """Our model's pipeline layers (models/pipeline.py) as a `PipelineModule` over num_stages
-    stages (call deepspeed.init_distributed() first).
+    stages (call deepspeed.init_distributed() first); with tensor > 1, on a pipe x model x data
+    topology whose model groups split_stage (pipeline_tensor.py) splits the blocks over.
 
     loss_fn(logits, labels) defaults to `pipeline_loss`. With activation_checkpoint_interval > 0,
     only the blocks are recomputed: the embedding's input (token ids) carries no gradient."""
@@ -71,7 +75,8 @@ def build_pipeline_module(
         specs.append(LayerSpec(HeadPipe, config))
     module = PipelineModule(
         layers=specs,
-        num_stages=num_stages,
+        num_stages=None if tensor > 1 else num_stages,
+        topology=stage_topology(num_stages, tensor) if tensor > 1 else None,
         loss_fn=loss_fn or pipeline_loss,
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
@@ -95,19 +100,26 @@ class PipelineEngine(DeepSpeedEngine):
         attention: str,
     ):
         """model: the whole ZeroStackForCausalLM, built from the seed (or a folder) on every rank.
-        Each rank keeps only its stage's layers, with exactly the whole model's initial weights."""
+        Each rank keeps only its stage's layers, with exactly the whole model's initial weights
+        (under tensor parallelism, its slices of them)."""
         pipe_cfg = ds_config.get("pipeline", {})
+        tensor = parallel.tensor_size(ds_config)
         pipe = build_pipeline_module(
             model.config,
             num_stages=int(pipe_cfg["stages"]),
             partition_method=PARTITIONS[pipe_cfg.get("partition", "parameters")],
             activation_checkpoint_interval=int(pipe_cfg.get("activation_checkpoint_interval", 0)),
+            tensor=tensor,
         )
-        set_attention_kernel(pipe, attention)
         full = model_state_dict_to_pipeline(model.state_dict(), model.config)
         pipe.load_state_dict({name: full[name] for name in pipe.state_dict()})
+        if tensor > 1:
+            split_stage(pipe, pipe.mpu().get_slice_parallel_group(), model.config)
+        set_attention_kernel(pipe, attention)
         self.config = model.config
+        ds_config = without_tensor_parallel(ds_config)
         super().__init__(model=pipe, ds_config=ds_config, optimizer=optimizer, device=device)
+        self.tensor_parallel = tensor  # for set_master_weights' slices
         grid = self.engine.grid
         self.stage = grid.get_stage_id()
         self.stages = grid.get_pipe_parallel_world_size()
@@ -117,7 +129,10 @@ class PipelineEngine(DeepSpeedEngine):
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def coordinates(self) -> dict[str, int]:
-        return {"data_parallel": self.dp_rank, "pipeline_stage": self.stage}
+        out = {"data_parallel": self.dp_rank, "pipeline_stage": self.stage}
+        if self.tensor_parallel > 1:
+            out["tensor_parallel"] = self.engine.grid.get_tensor_model_parallel_rank()
+        return out
 
     def layout(self) -> list[list[str]]:
         """Layer class names per stage, e.g. [[EmbeddingPipe, BlockPipe], [BlockPipe, ...]]."""

@@ -42,9 +42,11 @@ def check_parallel(
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         seq_len=config.data.seq_len,
         source=cfg_path,
+        intermediate=getattr(text, "intermediate_size", 0),
     )
     own_plan = {"partition_config", "preset_model"} & set(cfg.get("tensor_parallel", {}))
-    if layout.tensor > 1 and not own_plan:  # the config's own plan wins over the model's
+    # The config's own plan wins over the model's; pipeline stages split our blocks themselves.
+    if layout.tensor > 1 and not own_plan and layout.pipeline == 1:
         check_tp_plan(model_cfg, config.model.name, cfg_path)
     if layout.sequence > 1 and config.data.doc_mask:
         raise ConfigError(

@@ -128,12 +128,11 @@ def _check_composition(out: Layout, cfg: dict, source: str) -> None:
             "its groups as the engine's mpu, Ulysses passes its own), so they do not compose; "
             "pick one"
         )
-    if out.pipeline > 1 and (out.tensor > 1 or out.sequence > 1):
-        kind = "tensor_parallel.autotp_size" if out.tensor > 1 else "sequence_parallel_size"
+    if out.pipeline > 1 and out.sequence > 1:
         raise ConfigError(
-            f"{source}: {kind} with pipeline.stages > 1: DeepSpeed's pipeline engine builds its "
-            "grid from the PipelineModule's topology and applies neither AutoTP nor Ulysses to "
-            "it; use pipeline x data parallelism, or tensor/sequence x data parallelism"
+            f"{source}: sequence_parallel_size with pipeline.stages > 1: DeepSpeed's pipeline "
+            "engine builds its grid from the PipelineModule's topology and does not apply "
+            "Ulysses to it; use pipeline x tensor x data parallelism, or sequence x data"
         )
     if out.tensor > 1 and stage == 3:
         raise ConfigError(
@@ -153,14 +152,20 @@ def _check_composition(out: Layout, cfg: dict, source: str) -> None:
         )
 
 
-def check_model(out: Layout, *, heads: int, kv_heads: int, seq_len: int, source: str) -> None:
-    """What tensor and sequence parallelism need of the model's shape and the sequence."""
+def check_model(
+    out: Layout, *, heads: int, kv_heads: int, seq_len: int, source: str, intermediate: int = 0
+) -> None:
+    """What tensor and sequence parallelism need of the model's shape and the sequence
+    (`intermediate`: the MLP width, which tensor-parallel pipeline stages cut evenly)."""
     if out.tensor > 1:
-        for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads)]
+        if out.pipeline > 1:
+            sizes.append(("intermediate_size", intermediate))
+        for name, n in sizes:
             if n % out.tensor:
                 raise ConfigError(
                     f"{source}: tensor_parallel.autotp_size={out.tensor} does not divide the "
-                    f"model's {name}={n}: each rank must hold whole heads"
+                    f"model's {name}={n}: each rank must hold whole heads and equal MLP slices"
                 )
     if out.sequence > 1:
         sp = out.sequence
