@@ -23,7 +23,9 @@ def test_every_shipped_config_resolves_with_no_auto_left(tmp_path):
         assert '"auto"' not in json.dumps(out), path
         replicas = parallel.layout(out, world, str(path)).data  # world / (pp x tp x sp)
         assert out["train_batch_size"] == 2 * 3 * replicas
-        assert replicas == (1 if path.stem in ("pipeline", "tp2", "sp2", "pipeline_tp2") else 2), path
+        assert replicas == (1 if path.stem in ("pipeline", "tp2", "sp2", "pipeline_tp2") else 2), (
+            path
+        )
         assert not any(k.startswith("_") for k in out)
 
 
