@@ -144,20 +144,29 @@ def test_bad_moe_shapes_are_refused(overrides, words):
         get_config("tiny-moe", **overrides)
 
 
-def test_mixtral_export_is_our_model_in_stock_transformers(tmp_path):
+@pytest.mark.parametrize(
+    "qk_norm, stock", [(False, "MixtralForCausalLM"), (True, "Qwen3MoeForCausalLM")]
+)
+def test_moe_export_is_our_model_in_stock_transformers(qk_norm, stock, tmp_path):
+    """Mixtral, or with QK-norm Qwen3-MoE (its per-head q and k norms, its renormalised top-k)."""
     from transformers import AutoModelForCausalLM
 
     from models.hf_adapter import to_hf
     from training.checkpoints.hf_export import write_safetensors
 
     torch.manual_seed(0)
-    ours = build_model("tiny-moe", overrides={"num_experts": 5, "num_experts_per_tok": 3}).eval()
+    shape = {"num_experts": 5, "num_experts_per_tok": 3, "qk_norm": qk_norm}
+    ours = build_model("tiny-moe", overrides=shape).eval()
+    if qk_norm:  # initialised to ones: make a swapped or missing norm show in the logits
+        for name, p in ours.named_parameters():
+            if "_norm" in name:
+                torch.nn.init.uniform_(p, 0.5, 1.5)
     config, rename = to_hf(ours.config)
     config.save_pretrained(tmp_path)
     sd = rename(dict(ours.named_parameters()))  # the tied head is stored once, as embeddings
     write_safetensors(tmp_path, sd, torch.float32, 2**30)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert type(theirs).__name__ == "MixtralForCausalLM"
+    assert type(theirs).__name__ == stock
     ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = ours(input_ids=ids), theirs(input_ids=ids, output_router_logits=True)
@@ -170,7 +179,7 @@ def test_mixtral_export_is_our_model_in_stock_transformers(tmp_path):
 def test_shared_expert_export_is_refused():
     from models.hf_adapter import to_hf
 
-    with pytest.raises(ModelError, match="shared expert, which transformers' Mixtral"):
+    with pytest.raises(ModelError, match="shared expert, which transformers' Mixtral and Qwen3-MoE"):
         to_hf(get_config("tiny-moe", shared_expert_intermediate_size=32))
 
 
