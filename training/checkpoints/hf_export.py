@@ -109,11 +109,6 @@ def export_report(
     ours = isinstance(config, ZeroStackForCausalLM.config_class)
     if adapter_only and not state.get("lora"):
         raise ExportError(f"--adapter-only: {root / tag} is not a LoRA run's checkpoint")
-    if any((root / tag).glob("layer_*_expert_*_model_states.pt")):
-        raise ExportError(
-            f"{root / tag}: an expert-parallel checkpoint (each rank's experts in its own files); "
-            "export reads only checkpoints whose experts every rank holds"
-        )
     if ours:
         try:  # a shape no stock class has (an MoE shared expert) is refused before any work
             to_hf(config)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from training.checkpoints.expert_files import ExpertLayout, model_params
 from training.errors import CheckpointError
 from training.runtime import safe_load
 
@@ -84,6 +85,13 @@ class ZeroFiles:
             if not f.is_file():
                 raise CheckpointError(f"{self.folder}: {f.name} is missing")
         self._first = None
+        top = load_mapped(self.model_files_by_mp[0])
+        self._experts = ExpertLayout.of(self.folder, top)
+        if self._experts is not None and (self.stage == 3 or self.mp > 1):
+            raise CheckpointError(
+                f"{self.folder}: an expert-parallel checkpoint under ZeRO-3 or tensor "
+                "parallelism, which is not read here; expert parallelism saves with ZeRO 1-2"
+            )
         # mp_rank_XX is a pipeline stage under the pipeline engine (one layer_XX file per
         # layer beside them) and a tensor-parallel rank under AutoTP. (DeepSpeed's recorded
         # tp_degree is not the test: under Ulysses it reports the sequence-parallel size.)
@@ -96,7 +104,6 @@ class ZeroFiles:
                     f"{self.folder}: ZeRO-3 files of {self.mp} tensor-parallel ranks; only "
                     "AutoTP with ZeRO 0-2 is readable"
                 )
-            top = load_mapped(self.model_files_by_mp[0])
             self._tp_layout = _TensorLayout(self.folder, top.get(UNIVERSAL_CHECKPOINT_INFO))
 
     def params(self, keys=STATE_KEYS) -> Iterator[tuple[str, Mapping[str, torch.Tensor], object]]:
@@ -107,6 +114,8 @@ class ZeroFiles:
             yield from self._params_stage3(keys)
         elif self._tp_layout is not None:
             yield from self._params_tensor_parallel(keys)
+        elif self._experts is not None:  # AutoEP's names and slices: ours, whole
+            yield from model_params(self._params_stage12(keys))
         else:
             yield from self._params_stage12(keys)
 
@@ -121,7 +130,10 @@ class ZeroFiles:
                 for name, shape in group.items():
                     if name in done:  # a tied weight that an earlier pipeline stage also holds
                         continue
-                    yield name, _States(flats, self._pieces(sds, g, name, shape), shape), step
+                    if self._experts is not None and self._experts.is_expert(name):
+                        yield name, self._expert_states(flats, sds, g, name, shape), step
+                    else:
+                        yield name, _States(flats, self._pieces(sds, g, name, shape), shape), step
                     done.add(name)
             del sds
 
@@ -151,12 +163,24 @@ class ZeroFiles:
                 dim = self._tp_layout.split_dim(name, [s.shape for s in slices])
                 yield name, (slices[0] if dim is None else _Joined(slices, dim)), step
 
-    def _pieces(self, sds, g: int, name: str, shape) -> list[tuple[int, int, int]]:
-        """Where `name` lies in each data-parallel rank's flat group g: (rank, start, numel)."""
+    def _expert_states(self, flats, sds, g: int, name: str, shape) -> Mapping:
+        """An AutoEP expert stack: each expert rank's slice of experts (itself partitioned
+        across that rank's expert-data-parallel ranks), joined along the expert dimension."""
+        slices = [
+            _States(flats, self._pieces(sds, g, name, shape, self._experts.ranks_of(e, len(sds))),
+                    shape)
+            for e in range(self._experts.ep_size)
+        ]  # fmt: skip
+        return _Joined(slices, 0)
+
+    def _pieces(self, sds, g: int, name: str, shape, ranks=None) -> list[tuple[int, int, int]]:
+        """Where `name` lies in each data-parallel rank's flat group g: (rank, start, numel),
+        among `ranks` (all by default)."""
         pieces = [
             (r, fa.start, fa.numel)
             for r, sd in enumerate(sds)
-            if (fa := sd["param_slice_mappings"][g].get(name)) is not None
+            if (ranks is None or r in ranks)
+            and (fa := sd["param_slice_mappings"][g].get(name)) is not None
         ]
         numel = sum(n for _, _, n in pieces)
         if numel != math.prod(shape):
