@@ -179,7 +179,9 @@ def test_moe_export_is_our_model_in_stock_transformers(qk_norm, stock, tmp_path)
 def test_shared_expert_export_is_refused():
     from models.hf_adapter import to_hf
 
-    with pytest.raises(ModelError, match="shared expert, which transformers' Mixtral and Qwen3-MoE"):
+    with pytest.raises(
+        ModelError, match="shared expert, which transformers' Mixtral and Qwen3-MoE"
+    ):
         to_hf(get_config("tiny-moe", shared_expert_intermediate_size=32))
 
 
@@ -198,3 +200,38 @@ def test_train_command_refuses_top_k_above_the_expert_count(
     argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", str(folder)]
     err = refused(capsys, monkeypatch, tmp_path, argv)
     assert "num_experts_per_tok (6) is above num_experts (4)" in err
+
+
+@pytest.mark.parametrize("target", ["gate_up_proj", "down_proj", "experts"])
+def test_lora_on_the_stacked_experts_is_refused_in_one_line(target):
+    """Our experts and transformers' Mixtral's are stacked weights, not the linear layers the
+    adapters wrap: a target naming them is refused, saying what LoRA trains instead."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from models.lora import parse_lora, targets
+
+    mixtral = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+    )  # fmt: skip
+    stacked = {"gate_up_proj", "down_proj", "experts"}
+    for model in (build_model("tiny-moe"), MixtralForCausalLM(mixtral)):
+        with pytest.raises(ModelError, match="routed experts are stacked weights") as e:
+            targets(model, parse_lora(f"targets={target},q_proj,wq"))
+        assert "\n" not in str(e.value)
+        default = set(targets(model, parse_lora("r=4")))
+        assert {"q_proj", "wq"} & default and not stacked & default  # attention; experts frozen
+
+
+def test_train_command_refuses_lora_with_expert_parallelism(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
+    from conftest import refused
+
+    folder = tmp_path / "hf-moe"
+    build_model("tiny-moe").save_pretrained(folder)
+    capsys.readouterr()  # the save's progress bar
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", str(folder),
+            "--lora", "r=4", "--ds_config", "ds_configs/moe_ep2.json"]  # fmt: skip
+    err = refused(capsys, monkeypatch, tmp_path, argv)
+    assert "--lora with expert parallelism is not supported" in err
