@@ -89,8 +89,9 @@ class ZeroFiles:
         self._experts = ExpertLayout.of(self.folder, top)
         if self._experts is not None and (self.stage == 3 or self.mp > 1):
             raise CheckpointError(
-                f"{self.folder}: an expert-parallel checkpoint under ZeRO-3 or tensor "
-                "parallelism, which is not read here; expert parallelism saves with ZeRO 1-2"
+                f"{self.folder}: an expert-parallel checkpoint of ZeRO-3 or tensor parallelism, "
+                "whose expert partitions are not joined here (it resumes on its own layout); "
+                "export and universal copies read expert-parallel ZeRO-1/2 checkpoints"
             )
         # mp_rank_XX is a pipeline stage under the pipeline engine (one layer_XX file per
         # layer beside them) and a tensor-parallel rank under AutoTP. (DeepSpeed's recorded
