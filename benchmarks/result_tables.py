@@ -214,6 +214,31 @@ def lora(results: Path) -> str:
     return table(head, rows, {1, 2, 3, 4})
 
 
+def moe(results: Path) -> str:
+    """benchmarks/bench_moe.py: the MoE preset against the dense one of the same active
+    parameters, expert parallelism against experts replicated; medians of the rounds with
+    their lowest and highest."""
+    d = load(results, "moe.json")
+    rows = []
+    for r in d["summary"]:
+        rows.append(
+            [
+                r["arm"],
+                r["model"],
+                str(r["ranks"]),
+                f"{n0(r['tokens_per_s'])} ({span(r['tokens_per_s_spread'], '{:,.0f}')})",
+                f"{r['vs_dense']:.2f}",
+                f"{r['loss']:.4f} ({span(r['loss_spread'], '{:.4f}')})",
+                where(d),
+            ]
+        )
+    head = ["run", "model", "ranks", "tokens/s (range)", "vs dense", "loss (range)", "host, date"]
+    note = d["host"].get("note") if isinstance(d["host"], dict) else ""
+    rounds = d["summary"][0]["rounds"]
+    tail = f"\n\nMedians of {rounds} interleaved rounds." + (f" {note}" if note else "")
+    return table(head, rows, {2, 3, 4, 5}) + tail
+
+
 def trl_sft(results: Path) -> str:
     d = load(results, "trl_sft.json")
     rows = []

@@ -1,12 +1,13 @@
 """The one place that knows `transformers.LlamaForCausalLM`'s parameter names, Qwen3's,
 which are Llama's plus a per-head RMSNorm of queries and keys (`q_norm`, `k_norm`), and
-`MixtralForCausalLM`'s: a model with `qk_norm` exports as a stock `Qwen3ForCausalLM`, our
-mixture-of-experts model as `MixtralForCausalLM`, every other as `LlamaForCausalLM`.
+`MixtralForCausalLM`'s and `Qwen3MoeForCausalLM`'s: a model with `qk_norm` exports as a stock
+`Qwen3ForCausalLM`, our mixture-of-experts model as `MixtralForCausalLM` (with `qk_norm`
+`Qwen3MoeForCausalLM`), every other as `LlamaForCausalLM`.
 
 Our rotary embedding uses Hugging Face's `rotate_half` convention, so converting weights either way is pure
 renaming: no permutation of q/k, no reshaping. Configs map field by field. Our MoE model exports as Mixtral:
-its blocks are Llama's (no QK-norm, no biases) with Mixtral's router and SwiGLU experts, where Qwen3-MoE
-would add a norm on q and k that our attention does not have.
+its blocks are Llama's (no QK-norm, no biases) with Mixtral's router and SwiGLU experts; with QK-norm
+they are Qwen3-MoE's, whose router (softmax, top-k, renormalised) routes as ours.
 """
 
 import os
@@ -19,6 +20,7 @@ from transformers import (
     MixtralConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
 )
 
 from models.config import ZeroStackConfig, ZeroStackMoeConfig
@@ -70,33 +72,41 @@ def to_llama_state_dict(sd: dict) -> dict:
 
 
 _MOE = "feed_forward."
+# Where a stock MoE checkpoint file keeps a block's routed MLP, and its experts' (gate, up, down)
+MIXTRAL_NAMES = ("block_sparse_moe", ("w1", "w3", "w2"))
+QWEN3_MOE_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
-def to_mixtral_state_dict(sd: dict) -> dict:
-    """Our MoE model's state dict -> the names of a Mixtral checkpoint file (what
-    `MixtralForCausalLM.save_pretrained` writes and every transformers version loads): the
-    router as `block_sparse_moe.gate`, each expert as `block_sparse_moe.experts.{e}.w1/w2/w3`,
-    cut from our stacked weights as views (no copy)."""
+def to_moe_state_dict(sd: dict, names: tuple = MIXTRAL_NAMES) -> dict:
+    """Our MoE model's state dict -> the names of a Mixtral checkpoint file (or with
+    QWEN3_MOE_NAMES a Qwen3-MoE one: what `save_pretrained` writes and every transformers
+    version loads): the router as `<block>.gate`, each expert as `<block>.experts.{e}.<gate, up,
+    down>`, cut from our stacked weights as views (no copy)."""
+    block, (gate_name, up_name, down_name) = names
     dense = {k: v for k, v in sd.items() if _MOE not in k}
     out = to_llama_state_dict(dense)
     for name, t in sd.items():
         m = _OURS_BLOCK.fullmatch(name)
         if m is None or not m.group(2).startswith(_MOE):
             continue
-        prefix, what = f"model.layers.{m.group(1)}.block_sparse_moe.", m.group(2)[len(_MOE) :]
+        prefix, what = f"model.layers.{m.group(1)}.{block}.", m.group(2)[len(_MOE) :]
         if what == "gate.weight":
             out[prefix + what] = t
         elif what == "experts.gate_up_proj":
             gate, up = t.chunk(2, dim=1)
             for e in range(t.shape[0]):
-                out[f"{prefix}experts.{e}.w1.weight"] = gate[e]
-                out[f"{prefix}experts.{e}.w3.weight"] = up[e]
+                out[f"{prefix}experts.{e}.{gate_name}.weight"] = gate[e]
+                out[f"{prefix}experts.{e}.{up_name}.weight"] = up[e]
         elif what == "experts.down_proj":
             for e in range(t.shape[0]):
-                out[f"{prefix}experts.{e}.w2.weight"] = t[e]
+                out[f"{prefix}experts.{e}.{down_name}.weight"] = t[e]
         else:
-            raise ModelError(f"{name}: Mixtral has no such weight (a shared expert?)")
+            raise ModelError(f"{name}: a stock MoE model has no such weight (a shared expert?)")
     return out
+
+
+def to_qwen3_moe_state_dict(sd: dict) -> dict:
+    return to_moe_state_dict(sd, QWEN3_MOE_NAMES)
 
 
 def from_llama_state_dict(sd: dict) -> dict:
@@ -141,36 +151,42 @@ def _shared_fields(config: ZeroStackConfig) -> dict:
     )
 
 
-def to_mixtral_config(config: ZeroStackMoeConfig) -> MixtralConfig:
-    """Our MoE config -> a MixtralConfig of the same shape (`architectures=["MixtralForCausalLM"]`).
-    Mixtral has no shared expert: a model with one is a ModelError."""
-    if getattr(config, "qk_norm", False):
-        raise ModelError(
-            "this MoE model normalises queries and keys (--qk-norm), which transformers' Mixtral "
-            "does not; it cannot be exported as MixtralForCausalLM"
-        )
+def to_moe_config(config: ZeroStackMoeConfig) -> MixtralConfig | Qwen3MoeConfig:
+    """Our MoE config -> a MixtralConfig of the same shape (`architectures=["MixtralForCausalLM"]`),
+    with qk_norm a Qwen3MoeConfig (`Qwen3MoeForCausalLM`, experts in every layer, top-k weights
+    renormalised as ours are). Neither has a shared expert: a model with one is a ModelError."""
     if config.shared_expert_intermediate_size:
         raise ModelError(
-            "this MoE model has a shared expert, which transformers' Mixtral does not have; "
-            "it cannot be exported as MixtralForCausalLM"
+            "this MoE model has a shared expert, which transformers' Mixtral and Qwen3-MoE do not "
+            "have; it cannot be exported as either"
         )
+    qk_norm = getattr(config, "qk_norm", False)
+    cls = Qwen3MoeConfig if qk_norm else MixtralConfig
     llama = to_llama_config(config).to_dict()
-    keep = set(MixtralConfig.__dataclass_fields__) & set(llama) - {"architectures", "model_type"}
-    return MixtralConfig(
-        **{k: llama[k] for k in keep},
-        num_local_experts=config.num_experts,
+    own = {"architectures", "model_type", "sliding_window", "use_sliding_window"}
+    fields = {k: llama[k] for k in set(cls.__dataclass_fields__) & set(llama) - own}
+    moe = dict(
         num_experts_per_tok=config.num_experts_per_tok,
         router_aux_loss_coef=config.router_aux_loss_coef,
         sliding_window=None,
-        architectures=["MixtralForCausalLM"],
+    )
+    if qk_norm:
+        return Qwen3MoeConfig(
+            **fields, **moe, num_experts=config.num_experts, norm_topk_prob=True,
+            moe_intermediate_size=config.intermediate_size, decoder_sparse_step=1,
+            mlp_only_layers=[], use_sliding_window=False, architectures=["Qwen3MoeForCausalLM"],
+        )  # fmt: skip
+    return MixtralConfig(
+        **fields, **moe, num_local_experts=config.num_experts, architectures=["MixtralForCausalLM"]
     )
 
 
 def to_hf(config: ZeroStackConfig):
     """Our config -> (the stock transformers config it exports as, the state-dict renamer):
-    Mixtral for our MoE model, Llama for the dense one."""
+    Mixtral for our MoE model (Qwen3-MoE with qk_norm), Llama for the dense one."""
     if isinstance(config, ZeroStackMoeConfig):
-        return to_mixtral_config(config), to_mixtral_state_dict
+        qk_norm = getattr(config, "qk_norm", False)
+        return to_moe_config(config), (to_qwen3_moe_state_dict if qk_norm else to_moe_state_dict)
     return to_llama_config(config), to_llama_state_dict
 
 

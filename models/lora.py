@@ -6,7 +6,9 @@ Every key is optional (`--lora r=8`, or `--lora default` for all defaults). With
 adapters go on every attention and MLP projection the model has: `wq wk wv wo w1 w2 w3` for our
 model (and Llama folders, which load into it), `q_proj k_proj v_proj o_proj gate_proj up_proj
 down_proj` for Qwen-, Mistral- and other Llama-shaped HF models. A target names the last part of
-a module's name (peft's rule); each must match at least one linear layer.
+a module's name (peft's rule); each must match at least one linear layer. A mixture-of-experts
+model's routed experts are stacked weights, not linear layers: they stay frozen, and a target
+naming them is refused.
 
 The base weights are frozen (`requires_grad=False`): only the adapters train, so only they have
 gradients and optimizer states. Parameter names gain peft's prefix (`base_model.model.`) and
@@ -79,11 +81,25 @@ def linear_names(model: nn.Module) -> dict[str, int]:
     return out
 
 
+def stacked_experts(model: nn.Module) -> set[str]:
+    """Last name parts of the routed experts' stacked weights (ours, Mixtral's, Qwen3-MoE's:
+    `gate_up_proj`, `down_proj`), and `experts` itself."""
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_parameters() if ".experts." in n}
+    return names | ({"experts"} if names else set())
+
+
 def targets(model: nn.Module, spec: LoraSpec) -> list[str]:
     """The module names the adapters go on; ModelError when one matches nothing, or when the
     model has none of the default projections."""
     have = linear_names(model)
     if spec.targets:
+        stacked = [t for t in spec.targets if t in stacked_experts(model)]
+        if stacked:
+            raise ModelError(
+                f"--lora targets={stacked[0]}: the routed experts are stacked weights (one "
+                "parameter holds a projection of every expert), which these adapters do not "
+                "wrap; LoRA trains an MoE model's attention and shared-expert projections"
+            )
         missing = [t for t in spec.targets if t not in have]
         if missing:
             raise ModelError(

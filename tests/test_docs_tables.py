@@ -31,6 +31,7 @@ PLANTS = {
         lambda d: d["runs"]["native--compile"].update(first_step_s=11.0),
     ),
     "lora": ("lora.json", lambda d: d["rows"][0].update(model_states_mb=120.3)),
+    "moe": ("moe.json", lambda d: d["summary"][1].update(tokens_per_s=9999.0)),
     "trl_sft": ("trl_sft.json", lambda d: d["summary"][0].update(trained_tokens_per_s=3300.0)),
     "quickstart_cpu": (
         "host_class/quickstart_avx2_emulated.json",

@@ -106,3 +106,30 @@ def test_plan_command_says_what_fits(capsys):
 
     code, out, err = _plan(capsys, "--model", "small", "--ds_config", "ds_configs/nope.json")
     assert code == 2 and err.strip().count("\n") == 0 and "config file not found" in err
+
+
+def test_an_moe_run_is_planned_with_its_experts_where_they_live():
+    """small-moe on 2 CPU ranks: with expert parallelism (ds_configs/moe_ep2.json) each rank
+    holds half the experts' weights, so a memory between the two plans takes the expert-parallel
+    run and refuses the one with every expert on every rank, before any work."""
+    from training.memory.shape import model_shape
+    from training.memory.verdict import check_run
+    from training.settings import ds_config
+
+    shape = model_shape("small-moe", vocab_size=512)
+    assert 0 < shape.experts < shape.params
+    ep, replicated = (
+        ds_config.load_json(f"ds_configs/{name}.json") for name in ("moe_ep2", "zero2")
+    )
+
+    def verdict(cfg, gib):
+        kw = dict(config_name="c", seq_len=256, activation_checkpointing=False)
+        return check_run(shape, cfg, 2, host_mem_gib=gib, **kw)
+
+    a, b = verdict(ep, 64).plan, verdict(replicated, 64).plan
+    w = 2  # bf16 (moe_ep2 and zero2 ask for it where the host has it)
+    assert a.per_rank["params"]["device"] == w * (shape.params - shape.experts // 2)
+    assert b.per_rank["params"]["device"] == w * shape.params
+    between = (a.total() + b.total()) / 2 * 2 / 0.9 / 2**30  # 2 ranks, 90% headroom
+    assert verdict(ep, between).fits and not verdict(replicated, between).fits
+    assert "does not fit this machine" in verdict(replicated, between).refusal()

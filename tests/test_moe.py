@@ -144,20 +144,29 @@ def test_bad_moe_shapes_are_refused(overrides, words):
         get_config("tiny-moe", **overrides)
 
 
-def test_mixtral_export_is_our_model_in_stock_transformers(tmp_path):
+@pytest.mark.parametrize(
+    "qk_norm, stock", [(False, "MixtralForCausalLM"), (True, "Qwen3MoeForCausalLM")]
+)
+def test_moe_export_is_our_model_in_stock_transformers(qk_norm, stock, tmp_path):
+    """Mixtral, or with QK-norm Qwen3-MoE (its per-head q and k norms, its renormalised top-k)."""
     from transformers import AutoModelForCausalLM
 
     from models.hf_adapter import to_hf
     from training.checkpoints.hf_export import write_safetensors
 
     torch.manual_seed(0)
-    ours = build_model("tiny-moe", overrides={"num_experts": 5, "num_experts_per_tok": 3}).eval()
+    shape = {"num_experts": 5, "num_experts_per_tok": 3, "qk_norm": qk_norm}
+    ours = build_model("tiny-moe", overrides=shape).eval()
+    if qk_norm:  # initialised to ones: make a swapped or missing norm show in the logits
+        for name, p in ours.named_parameters():
+            if "_norm" in name:
+                torch.nn.init.uniform_(p, 0.5, 1.5)
     config, rename = to_hf(ours.config)
     config.save_pretrained(tmp_path)
     sd = rename(dict(ours.named_parameters()))  # the tied head is stored once, as embeddings
     write_safetensors(tmp_path, sd, torch.float32, 2**30)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert type(theirs).__name__ == "MixtralForCausalLM"
+    assert type(theirs).__name__ == stock
     ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = ours(input_ids=ids), theirs(input_ids=ids, output_router_logits=True)
@@ -170,7 +179,9 @@ def test_mixtral_export_is_our_model_in_stock_transformers(tmp_path):
 def test_shared_expert_export_is_refused():
     from models.hf_adapter import to_hf
 
-    with pytest.raises(ModelError, match="shared expert, which transformers' Mixtral"):
+    with pytest.raises(
+        ModelError, match="shared expert, which transformers' Mixtral and Qwen3-MoE"
+    ):
         to_hf(get_config("tiny-moe", shared_expert_intermediate_size=32))
 
 
@@ -189,3 +200,38 @@ def test_train_command_refuses_top_k_above_the_expert_count(
     argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", str(folder)]
     err = refused(capsys, monkeypatch, tmp_path, argv)
     assert "num_experts_per_tok (6) is above num_experts (4)" in err
+
+
+@pytest.mark.parametrize("target", ["gate_up_proj", "down_proj", "experts"])
+def test_lora_on_the_stacked_experts_is_refused_in_one_line(target):
+    """Our experts and transformers' Mixtral's are stacked weights, not the linear layers the
+    adapters wrap: a target naming them is refused, saying what LoRA trains instead."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from models.lora import parse_lora, targets
+
+    mixtral = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+    )  # fmt: skip
+    stacked = {"gate_up_proj", "down_proj", "experts"}
+    for model in (build_model("tiny-moe"), MixtralForCausalLM(mixtral)):
+        with pytest.raises(ModelError, match="routed experts are stacked weights") as e:
+            targets(model, parse_lora(f"targets={target},q_proj,wq"))
+        assert "\n" not in str(e.value)
+        default = set(targets(model, parse_lora("r=4")))
+        assert {"q_proj", "wq"} & default and not stacked & default  # attention; experts frozen
+
+
+def test_train_command_refuses_lora_with_expert_parallelism(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
+    from conftest import refused
+
+    folder = tmp_path / "hf-moe"
+    build_model("tiny-moe").save_pretrained(folder)
+    capsys.readouterr()  # the save's progress bar
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", str(folder),
+            "--lora", "r=4", "--ds_config", "ds_configs/moe_ep2.json"]  # fmt: skip
+    err = refused(capsys, monkeypatch, tmp_path, argv)
+    assert "--lora with expert parallelism is not supported" in err

@@ -165,6 +165,7 @@ def trainer_facts(record: dict) -> dict:
         "pipeline_stages": ds_config.pipeline_stages(cfg),
         "tensor_parallel": parallel.tensor_size(cfg),
         "sequence_parallel": parallel.sequence_size(cfg),
+        "expert_parallel": parallel.expert_size(cfg),
         "model": flags["model"],
         "data_dir": record["data"]["dir"],
         "seq_len": flags["seq_len"],

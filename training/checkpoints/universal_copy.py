@@ -60,6 +60,7 @@ class Topology:
     pipeline_stages: int = 1
     tensor_parallel: int = 1  # AutoTP: each rank's files hold its slice of the split weights
     sequence_parallel: int = 1  # Ulysses: whole weights, but other groups and replicas
+    expert_parallel: int = 1  # AutoEP: each expert rank's files hold its experts, its names
     # The run swaps its optimizer states to NVMe (ZeRO-Infinity). Not part of a checkpoint's
     # layout (resume.py reads that from the checkpoint's offloaded_tensors/): what the resuming
     # run can load.
@@ -74,6 +75,7 @@ class Topology:
             int(state.get("pipeline_stages", 1)),
             int(state.get("tensor_parallel", 1)),
             int(state.get("sequence_parallel", 1)),
+            int(state.get("expert_parallel", 1)),
         )
 
     def __str__(self) -> str:
@@ -82,6 +84,7 @@ class Topology:
             for n, what in (
                 (self.tensor_parallel, "tensor-parallel"),
                 (self.sequence_parallel, "sequence-parallel"),
+                (self.expert_parallel, "expert-parallel"),
                 (self.pipeline_stages, "pipeline stages"),
             )
             if n > 1
@@ -137,7 +140,15 @@ def plan(saved: dict, now: Topology, mode: str = "auto") -> bool:
             "supported. Resume with the checkpoint's layout, or export it and start from the "
             "folder with --model"
         )
-    return mode == "always" or was != now
+    universal = mode == "always" or was != now
+    if universal and now.expert_parallel > 1:
+        # the copy holds our model's whole experts; AutoEP's loader reads its own names only
+        raise CheckpointError(
+            f"checkpoint {tag} was saved on {was}; this run is {now}: an expert-parallel run "
+            "resumes only its own layout's checkpoints. Resume it with experts on every rank "
+            "(e.g. ds_configs/zero2.json)"
+        )
+    return universal
 
 
 def universal_tag(tag: str) -> str:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from training.checkpoints.expert_files import ExpertLayout, model_params
 from training.errors import CheckpointError
 from training.runtime import safe_load
 
@@ -85,6 +86,14 @@ class ZeroFiles:
             if not f.is_file():
                 raise CheckpointError(f"{self.folder}: {f.name} is missing")
         self._first = None
+        top = load_mapped(self.model_files_by_mp[0])
+        self._experts = ExpertLayout.of(self.folder, top)
+        if self._experts is not None and (self.stage == 3 or self.mp > 1):
+            raise CheckpointError(
+                f"{self.folder}: an expert-parallel checkpoint of ZeRO-3 or tensor parallelism, "
+                "whose expert partitions are not joined here (it resumes on its own layout); "
+                "export and universal copies read expert-parallel ZeRO-1/2 checkpoints"
+            )
         # mp_rank_XX is a tensor-parallel rank under AutoTP, a pipeline stage under the
         # pipeline engine (one layer_XX file per layer beside them), and stage x tensor-parallel
         # rank (stage-major) with tensor-parallel stages, whose layer files then read
@@ -118,6 +127,8 @@ class ZeroFiles:
                 first = stage * self.tensor_parallel
                 mps = range(first, first + self.tensor_parallel)
                 yield from self._params_tensor_parallel(keys, mps, layout, done)
+        elif self._experts is not None:  # AutoEP's names and slices: ours, whole
+            yield from model_params(self._params_stage12(keys))
         else:
             yield from self._params_stage12(keys)
 
@@ -132,7 +143,10 @@ class ZeroFiles:
                 for name, shape in group.items():
                     if name in done:  # a tied weight that an earlier pipeline stage also holds
                         continue
-                    yield name, _States(flats, self._pieces(sds, g, name, shape), shape), step
+                    if self._experts is not None and self._experts.is_expert(name):
+                        yield name, self._expert_states(flats, sds, g, name, shape), step
+                    else:
+                        yield name, _States(flats, self._pieces(sds, g, name, shape), shape), step
                     done.add(name)
             del sds
 
@@ -166,12 +180,24 @@ class ZeroFiles:
                 dim = layout.split_dim(name, [s.shape for s in slices])
                 yield name, (slices[0] if dim is None else _Joined(slices, dim)), step
 
-    def _pieces(self, sds, g: int, name: str, shape) -> list[tuple[int, int, int]]:
-        """Where `name` lies in each data-parallel rank's flat group g: (rank, start, numel)."""
+    def _expert_states(self, flats, sds, g: int, name: str, shape) -> Mapping:
+        """An AutoEP expert stack: each expert rank's slice of experts (itself partitioned
+        across that rank's expert-data-parallel ranks), joined along the expert dimension."""
+        slices = [
+            _States(flats, self._pieces(sds, g, name, shape, self._experts.ranks_of(e, len(sds))),
+                    shape)
+            for e in range(self._experts.ep_size)
+        ]  # fmt: skip
+        return _Joined(slices, 0)
+
+    def _pieces(self, sds, g: int, name: str, shape, ranks=None) -> list[tuple[int, int, int]]:
+        """Where `name` lies in each data-parallel rank's flat group g: (rank, start, numel),
+        among `ranks` (all by default)."""
         pieces = [
             (r, fa.start, fa.numel)
             for r, sd in enumerate(sds)
-            if (fa := sd["param_slice_mappings"][g].get(name)) is not None
+            if (ranks is None or r in ranks)
+            and (fa := sd["param_slice_mappings"][g].get(name)) is not None
         ]
         numel = sum(n for _, _, n in pieces)
         if numel != math.prod(shape):

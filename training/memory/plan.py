@@ -5,7 +5,9 @@ config that does fit.py's, the trainer's check verdict.py's, the command plan_co
 
 Model states per rank, P parameters, N data-parallel ranks, w bytes per 16-bit (2) or fp32 (4)
 parameter, as DeepSpeed 0.19 allocates them with our engine (mixed precision keeps fp32 master
-weights and Adam's two moments: 12 bytes per parameter, in every precision):
+weights and Adam's two moments: 12 bytes per parameter, in every precision; under expert
+parallelism, ep ranks to an expert group, a P not divided by N counts the experts' parameters
+once per ep ranks):
 
     ZeRO   parameters   gradients   optimizer states   reduce bucket
     0      w P          w P         12 P (8 P in fp32)  -
@@ -28,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 from training.memory.shape import ModelShape, shape_of_run
-from training.settings import ds_config
+from training.settings import ds_config, parallel
 
 GiB = 2**30
 HEADROOM = 0.9  # plan to use at most this share of a device: allocators fragment
@@ -177,12 +179,18 @@ def model_state_placement(
         zero.get("reduce_bucket_size"),
         ds_config.reduce_bucket_size(ds_cfg, shape.hidden, device_type),
     )
-    params = w * n_params / dp if stage == 3 else w * n_params
+    # Expert parallelism: a rank holds its expert group's share of the experts, partitioned
+    # across the dp / ep ranks holding the same experts: unpartitioned terms count the share,
+    # partitioned ones come to the same experts / dp as replicated experts would.
+    ep = parallel.expert_size(ds_cfg)
+    local = shape.on_rank(n_params, ep)
+    params = w * n_params / dp if stage == 3 else w * local
     if stage == 3 and _held_whole(shape, zero):
-        params += w * n_params  # every weight persists whole beside its partition
+        params += w * local  # every weight persists whole beside its partition
     n_train = shape.trained  # frozen weights: no gradient, no optimizer state
-    grads = w * n_train / dp if stage >= 2 else w * n_train
-    optimizer = 12 * n_train / dp if stage >= 1 else (12 if w == 2 else 8) * n_train
+    local_train = shape.on_rank(n_train, ep)
+    grads = w * n_train / dp if stage >= 2 else w * local_train
+    optimizer = 12 * n_train / dp if stage >= 1 else (12 if w == 2 else 8) * local_train
     buffers = bucket * w if stage in (1, 3) else 0
 
     per = {c: dict.fromkeys(LOCATIONS, 0) for c in CATEGORIES}

@@ -26,10 +26,20 @@ class ModelShape:
     # parameters that train (LoRA: the adapters; None: all). Frozen weights carry no gradients
     # and no optimizer states.
     trainable: int | None = None
+    # parameters of the routed experts (within `params`): expert parallelism splits them across
+    # the ranks of an expert group, where every other weight is on every rank
+    experts: int = 0
 
     @property
     def trained(self) -> int:
         return self.params if self.trainable is None else self.trainable
+
+    def on_rank(self, n: int, expert_parallel: int) -> float:
+        """Of `n` parameters (all of them, or those that train), how many one rank holds when
+        each expert group of `expert_parallel` ranks shares the experts out."""
+        if self.trainable is not None:  # LoRA: the adapters, none of them on experts
+            return n
+        return n - self.experts + self.experts / expert_parallel
 
 
 def model_shape(spec: str, vocab_size: int | None = None, lora_spec=None) -> ModelShape:
@@ -61,6 +71,7 @@ def shape_of_config(cfg, name: str) -> ModelShape:
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
     unique = {id(p): numel(p) for p in model.parameters()}  # tied weights count once
     largest = max(sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules())
+    experts = sum(numel(p) for n, p in model.named_parameters() if ".experts." in n)
     hidden = cfg.hidden_size  # HF configs map their own names (n_embd, ...) onto these
     return ModelShape(
         name=name,
@@ -70,6 +81,7 @@ def shape_of_config(cfg, name: str) -> ModelShape:
         hidden=hidden,
         intermediate=getattr(cfg, "intermediate_size", None) or 4 * hidden,
         vocab=cfg.vocab_size,
+        experts=experts,
     )
 
 
@@ -98,4 +110,13 @@ def shape_of_run(resolved: dict) -> ModelShape:
         intermediate=inter,
         vocab=c["vocab_size"],
         trainable=resolved.get("trainable_params") if resolved["flags"].get("lora") else None,
+        experts=_expert_params(c, inter),
     )
+
+
+def _expert_params(c: dict, inter: int) -> int:
+    """The routed experts' parameters of a saved config (ours, Mixtral's or Qwen3-MoE's): three
+    SwiGLU matrices per expert and layer; 0 for a dense model."""
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    width = c.get("moe_intermediate_size") or inter
+    return experts * 3 * c["hidden_size"] * width * c["num_hidden_layers"]

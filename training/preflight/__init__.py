@@ -228,6 +228,7 @@ def topology(backend: str, cfg: dict, world: int) -> Topology:
         ds_config.pipeline_stages(cfg),
         parallel.tensor_size(cfg),
         parallel.sequence_size(cfg),
+        parallel.expert_size(cfg),
         optimizer_on_nvme="offload_optimizer" in nvme.nvme_sections(cfg),
     )
 

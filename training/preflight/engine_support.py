@@ -136,6 +136,11 @@ def check_lora(
         )
     if parallel.sequence_size(cfg) > 1:
         raise ConfigError(f"{cfg_path}: --lora with sequence_parallel_size > 1 is not supported")
+    if parallel.expert_size(cfg) > 1:  # AutoEP would replace the MLPs inside peft's wrapper
+        raise ConfigError(
+            f"{cfg_path}: --lora with expert parallelism is not supported (the experts stay "
+            "frozen under LoRA: nothing to split); use ds_configs/zero2.json"
+        )
     try:
         return with_lora(shape, model_cfg, spec)
     except ModelError as e:
