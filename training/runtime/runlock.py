@@ -23,6 +23,9 @@ from data.manifest import MANIFEST
 from training.errors import ConfigError
 
 LOCK = "run.lock"
+# An elastic launch's identity, its rendezvous (launch/torchrun.sh sets it): a lock that a rank
+# 0 of an earlier round left on a lost host is taken over, not refused as another job's.
+ELASTIC_JOB = "ZEROSTACK_ELASTIC_JOB"
 RUN_MARKS = ("checkpoints", "resolved_config.json", "metrics.jsonl", LOCK)
 
 
@@ -89,6 +92,8 @@ def acquire(run_dir: Path, log) -> RunLock:
     except OSError as e:
         raise ConfigError(f"--out {run_dir}: cannot create it ({e.strerror})") from None
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    if os.environ.get(ELASTIC_JOB):
+        owner["elastic_job"] = os.environ[ELASTIC_JOB]
     path = run_dir / LOCK
     for _ in range(3):  # a race with another launch taking over the same stale lock
         try:
@@ -103,7 +108,8 @@ def acquire(run_dir: Path, log) -> RunLock:
 
 
 def _take_over_if_stale(path: Path, log) -> None:
-    """Move a dead local process's lock aside; raise ConfigError for a live or remote one."""
+    """Move a dead local process's lock, or one left by an earlier round of this elastic job,
+    aside; raise ConfigError for a live or remote one."""
     try:
         held = json.loads(path.read_text())
         host, pid, since = held["host"], int(held["pid"]), float(held["since"])
@@ -114,8 +120,22 @@ def _take_over_if_stale(path: Path, log) -> None:
             f"{path}: unreadable run lock; if no run is using {path.parent}, delete it"
         ) from None
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
-    if host == socket.gethostname() and not pid_alive(pid):
-        log(f"taking over the stale lock {path} of pid {pid} (started {when}, no longer running)")
+    local = host == socket.gethostname()
+    job = os.environ.get(ELASTIC_JOB, "")
+    # torchrun starts a round only once the last round's ranks have stopped: a rank 0 of an
+    # earlier round of this elastic job is gone, also when its host went with it
+    earlier_round = bool(job) and held.get("elastic_job") == job and not local
+    if local and not pid_alive(pid):
+        stale = f"the stale lock {path} of pid {pid} (started {when}, no longer running)"
+    elif earlier_round:
+        stale = (
+            f"the lock {path} of pid {pid} on {host} (started {when}), left by an earlier "
+            f"round of this elastic job ({job})"
+        )
+    else:
+        stale = None
+    if stale:
+        log(f"taking over {stale}")
         aside = path.with_name(f".{LOCK}.stale-{os.getpid()}")
         try:
             path.rename(aside)
