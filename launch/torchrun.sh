@@ -32,9 +32,6 @@ nnodes=${NNODES:-1}
 if [ "$nnodes" != 1 ] && [ "$nnodes" != 1:1 ]; then
   args+=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "${RDZV_HOST:?set RDZV_HOST}:${RDZV_PORT:-29400}" --rdzv-id "${RDZV_ID:-zerostack}")
   if [ -n "${RDZV_CONF:-}" ]; then args+=(--rdzv-conf "$RDZV_CONF"); fi
-  # One elastic job: its rendezvous. A rank 0 of a later round takes over the run lock that a
-  # rank 0 of an earlier round left on a host that is gone (training/runtime/runlock.py).
-  export ZEROSTACK_ELASTIC_JOB="${RDZV_HOST}:${RDZV_PORT:-29400}/${RDZV_ID:-zerostack}"
   # torchrun's shared TCP store (torch 2.4+) deadlocks a round that a new host joins: the rank-0
   # agent keeps the first round's master address, and the newcomer waits for it in the new one.
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}

@@ -75,8 +75,8 @@ def test_an_elastic_round_takes_over_the_lock_an_earlier_round_left_on_a_lost_ho
     after a lost host takes over the lock the lost host's rank 0 left; another job's is refused."""
     run = tmp_path / "run"
     run.mkdir()
-    job = "node1:29400/train-7"
-    monkeypatch.setenv(runlock.ELASTIC_JOB, job)
+    job = "train-7"  # torchrun's --rdzv-id
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
     lost = {"host": "lost-host", "pid": os.getpid(), "since": 1.0, "elastic_job": job}
     for other in (
         {k: v for k, v in lost.items() if k != "elastic_job"},

@@ -23,9 +23,10 @@ from data.manifest import MANIFEST
 from training.errors import ConfigError
 
 LOCK = "run.lock"
-# An elastic launch's identity, its rendezvous (launch/torchrun.sh sets it): a lock that a rank
+# torchrun's job id (--rdzv-id), the same in every round of one elastic job: a lock that a rank
 # 0 of an earlier round left on a lost host is taken over, not refused as another job's.
-ELASTIC_JOB = "ZEROSTACK_ELASTIC_JOB"
+ELASTIC_JOB = "TORCHELASTIC_RUN_ID"
+UNNAMED_JOB = "none"  # torchrun's id when --rdzv-id is not given: any job's, so no one's
 RUN_MARKS = ("checkpoints", "resolved_config.json", "metrics.jsonl", LOCK)
 
 
@@ -92,8 +93,8 @@ def acquire(run_dir: Path, log) -> RunLock:
     except OSError as e:
         raise ConfigError(f"--out {run_dir}: cannot create it ({e.strerror})") from None
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    if os.environ.get(ELASTIC_JOB):
-        owner["elastic_job"] = os.environ[ELASTIC_JOB]
+    if _elastic_job():
+        owner["elastic_job"] = _elastic_job()
     path = run_dir / LOCK
     for _ in range(3):  # a race with another launch taking over the same stale lock
         try:
@@ -105,6 +106,11 @@ def acquire(run_dir: Path, log) -> RunLock:
             f.write(json.dumps(owner))
         return RunLock(path, owner, made)
     raise ConfigError(f"{path}: another launch is taking this run folder over at the same time")
+
+
+def _elastic_job() -> str:
+    job = os.environ.get(ELASTIC_JOB, "")
+    return "" if job == UNNAMED_JOB else job
 
 
 def _take_over_if_stale(path: Path, log) -> None:
@@ -121,7 +127,7 @@ def _take_over_if_stale(path: Path, log) -> None:
         ) from None
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
     local = host == socket.gethostname()
-    job = os.environ.get(ELASTIC_JOB, "")
+    job = _elastic_job()
     # torchrun starts a round only once the last round's ranks have stopped: a rank 0 of an
     # earlier round of this elastic job is gone, also when its host went with it
     earlier_round = bool(job) and held.get("elastic_job") == job and not local
