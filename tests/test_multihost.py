@@ -334,7 +334,9 @@ def test_elastic_job_goes_on_without_a_lost_host_and_grows_back(tiny_data, tmp_p
 
     log = logs[0].read_text()
     changes = read_metrics(run, "world")
-    assert [(c["from"], c["to"], c["grad_accum"]) for c in changes] == [(2, 1, 2), (1, 2, 1)], log
+    assert [(c["from"], c["to"], c["grad_accum"]) for c in changes] == [(2, 1, 2), (1, 2, 1)], (
+        changes
+    )
     assert all(c["global_batch"] == 4 for c in changes)
     # each restart resumed through a universal copy of the other world's checkpoint
     assert "(universal: saved on 2 ranks, ZeRO-2)" in log, log
