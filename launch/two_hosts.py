@@ -304,6 +304,11 @@ class TwoHosts:
         """The two sshd processes, while they run."""
         return {s.pid for s in self._sshd if s.poll() is None}
 
+    def host_pids(self, host: int) -> set[int]:
+        """Every process on host `host` (0: node1): its sshd, ssh sessions, launchers, ranks."""
+        p = subprocess.run(["ip", "netns", "pids", self.ns[host]], capture_output=True, text=True)
+        return {int(x) for x in p.stdout.split()}
+
     def namespace_pids(self) -> set[int]:
         """Every process inside the two namespaces (sshd, ssh sessions, ranks)."""
         pids: set[int] = set()

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import PY, REPO, TINY_RUN, free_port, launch, read_metrics
 
+from launch.supervise import run_marked
 from launch.two_hosts import TwoHosts, unavailable
 
 WHY = unavailable()
@@ -208,3 +212,148 @@ def test_two_hosts_are_removed_when_the_job_fails(tmp_path):
             assert stray  # the sleeper on node2 (and its ssh session)
             raise RuntimeError("boom")
     _gone(hosts, sshd + sorted(stray))
+
+
+def _workers(hosts: TwoHosts, host: int) -> list[psutil.Process]:
+    """The training ranks torchrun started on host `host` (its agent has no RANK)."""
+    out = []
+    for pid in hosts.host_pids(host):
+        try:
+            p = psutil.Process(pid)
+            if "RANK" in p.environ() and any(a.endswith("train.py") for a in p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _signal(processes: list[psutil.Process], sig: int) -> None:
+    for p in processes:
+        p.send_signal(sig)
+
+
+def _wait_for(what: str, ok, timeout: float, *logs: Path) -> None:
+    deadline = time.time() + timeout
+    while not ok():
+        if time.time() > deadline:
+            tails = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+            raise AssertionError(f"timed out waiting for {what}\n{tails}")
+        time.sleep(0.1)
+
+
+def _trained(run: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run)] if (run / "metrics.jsonl").exists() else []
+
+
+def _steps_on(run: Path, world: int) -> list[int]:
+    """The steps trained since the run last changed to `world` ranks (metrics' "world" records)."""
+    if not (run / "metrics.jsonl").exists():
+        return []
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    changes = [i for i, r in enumerate(records) if r.get("kind") == "world" and r["to"] == world]
+    if not changes:
+        return []
+    return [r["step"] for r in records[changes[-1] :] if r.get("kind") == "train"]
+
+
+def _last_loss_per_step(run: Path) -> dict[int, float]:
+    """A step run again after a restart counts once, as it was trained last."""
+    return {r["step"]: r["loss"] for r in read_metrics(run)}
+
+
+def test_elastic_job_goes_on_without_a_lost_host_and_grows_back(tiny_data, tmp_path):
+    """NNODES=1:2 launch/torchrun.sh on both hosts (c10d rendezvous on node1), --global-batch 4.
+    node2 is killed whole (its torchrun agent and rank) mid-run: node1's agent restarts its rank
+    on a world of one, which resumes from the last checkpoint through its universal copy,
+    accumulating 2 micro-batches for the same global batch. node2's command started again joins:
+    node1's rank saves at the next step and the world of two resumes. The losses match an
+    uninterrupted 2-rank run's within the cross-world-size bound of tests/test_universal.py.
+    About 90 s (130 s on a busy host): three rounds of rank start-up plus the reference run.
+    Each phase is held open by pausing node1's rank (SIGSTOP) while the hosts change, far
+    below the hang watch's 300 s floor, so the run cannot end before the host goes or returns."""
+    run = tmp_path / "elastic"
+    logs = [tmp_path / "node1.log", tmp_path / "node2.log", tmp_path / "node2_again.log"]
+    env = {
+        **os.environ,
+        **THREADS,
+        "NNODES": "1:2",
+        "MAX_RESTARTS": "3",
+        "RDZV_HOST": "node1",
+        "RDZV_PORT": str(free_port()),
+        "RDZV_ID": f"zs-elastic-{os.getpid()}",
+        # drop a lost host's agent after 3 s without keep-alives and close a round 3 s after a
+        # quorum (15 s and 30 s by default)
+        "RDZV_CONF": "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "VENV": str(Path(PY).parent.parent),
+        "LOGLEVEL": "INFO",  # torchrun's agent says when it sees a host waiting to join
+    }
+    common = ["--data", str(tiny_data), *FLAGS, "--steps", "10", "--global-batch", "4"]
+    cmd = ["bash", "launch/torchrun.sh", "1", "--out", str(run), *common, "--save-every", "2"]
+
+    def start(host: int, log: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            hosts.command(cmd, host=host),
+            cwd=REPO,
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    with TwoHosts(workdir=tmp_path / "hosts") as hosts:
+        node1 = start(0, logs[0])
+        node2 = again = start(1, logs[1])
+        try:
+            # Both hosts train; once step 3 is logged (step 2's checkpoint saved), node2 goes.
+            _wait_for("step 3 on two hosts", lambda: 3 in _trained(run), 600, *logs)
+            rank = _workers(hosts, 0)
+            _signal(rank, signal.SIGSTOP)
+            for pid in hosts.host_pids(1) - hosts.sshd_pids():  # node2's agent and rank
+                os.kill(pid, signal.SIGKILL)
+            node2.wait(timeout=30)
+            _signal(rank, signal.SIGCONT)
+            # node1 goes on alone from the last checkpoint.
+            _wait_for("a step on one host", lambda: _steps_on(run, 1), 300, *logs)
+            rank = _workers(hosts, 0)
+            _signal(rank, signal.SIGSTOP)
+            again = start(1, logs[2])  # the host is back
+            _wait_for(
+                "node1's agent to see node2 waiting",
+                lambda: "new nodes" in logs[0].read_text(),
+                120,
+                *logs,
+            )
+            _signal(rank, signal.SIGCONT)
+            assert node1.wait(timeout=300) == 0, logs[0].read_text()[-4000:]
+            assert again.wait(timeout=60) == 0, logs[2].read_text()[-4000:]
+        finally:
+            for p in (node1, node2, again):  # and TwoHosts kills what is left in the hosts
+                if p.poll() is None:
+                    p.kill()
+
+    log = logs[0].read_text()
+    changes = read_metrics(run, "world")
+    assert [(c["from"], c["to"], c["grad_accum"]) for c in changes] == [(2, 1, 2), (1, 2, 1)], (
+        changes
+    )
+    assert all(c["global_batch"] == 4 for c in changes)
+    # each restart resumed through a universal copy of the other world's checkpoint
+    assert "(universal: saved on 2 ranks, ZeRO-2)" in log, log
+    assert "(universal: saved on 1 rank, ZeRO-2)" in log, log
+    assert "global batch 4 kept with gradient accumulation 2" in log
+    ranks = json.loads((run / "resolved_config.json").read_text())["ranks"]
+    assert sorted(r["host"] for r in ranks) == ["node1", "node2"]  # grown back to both hosts
+
+    # The same run uninterrupted on one host with two ranks: the same losses at every step,
+    # within what another order of adding the micro-batches allows.
+    # Through the same script and python, so DeepSpeed's JIT-built ops are not rebuilt for it.
+    ref = tmp_path / "uninterrupted"
+    alone = {k: v for k, v in env.items() if k not in ("NNODES", "RDZV_HOST", "RDZV_CONF")}
+    argv = ["bash", "launch/torchrun.sh", "2", "--out", str(ref), *common, "--save-every", "0"]
+    p, timed_out = run_marked(argv, cwd=REPO, timeout=600, env=alone, merge_stderr=True)
+    assert not timed_out and p.returncode == 0, p.stdout[-4000:]
+    got, want = _last_loss_per_step(run), _last_loss_per_step(ref)
+    assert sorted(got) == list(range(1, 11))
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= 1e-3 * loss, (step, got, want)

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -65,6 +66,40 @@ def test_the_run_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path)
     (run / "run.lock").write_text(json.dumps({**gone, "host": "another-host"}))
     with pytest.raises(ConfigError, match="cannot be checked from here; if that job is gone"):
         runlock.acquire(run, said.append)
+
+
+def test_an_elastic_round_takes_over_the_lock_an_earlier_round_left_on_a_lost_host(
+    tmp_path, monkeypatch
+):
+    """Under an elastic launch (launch/torchrun.sh with NNODES=MIN:MAX) the rank 0 of a round
+    after a lost host takes over the lock the lost host's rank 0 left; another job's is refused."""
+    run = tmp_path / "run"
+    run.mkdir()
+    job = "train-7"  # torchrun's --rdzv-id
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+    lost = {"host": "lost-host", "pid": os.getpid(), "since": 1.0, "elastic_job": job}
+    for other in (
+        {k: v for k, v in lost.items() if k != "elastic_job"},
+        {**lost, "elastic_job": "x"},
+    ):
+        (run / "run.lock").write_text(json.dumps(other))
+        with pytest.raises(ConfigError, match="cannot be checked from here"):
+            runlock.acquire(run, print)
+    (run / "run.lock").write_text(json.dumps(lost))
+    said = []
+    lock = runlock.acquire(run, said.append)
+    assert said == [
+        f"taking over the lock {run / 'run.lock'} of pid {os.getpid()} on lost-host (started "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(1.0))}), left by an earlier round "
+        f"of this elastic job ({job})"
+    ]
+    held = json.loads((run / "run.lock").read_text())
+    assert (held["host"], held["pid"], held["elastic_job"]) == (
+        socket.gethostname(),
+        os.getpid(),
+        job,
+    )
+    lock.release()
 
 
 def test_a_dead_writers_scratch_folder_goes_a_live_or_remote_ones_stays(tmp_path):

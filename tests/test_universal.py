@@ -96,6 +96,13 @@ def test_zero2_two_ranks_resumes_anywhere(runs, name):
     ref, run = runs["ref"], runs[name]
     log = runs["logs"][name]
     assert "universal: saved on 2 ranks, ZeRO-2" in log
+    # a change of world is kept in the run's history, with the accumulation that kept the batch
+    # (z3_2rank's own resume keeps 2 ranks; its continuation on one, from step 4, does not)
+    worlds = [
+        (r["step"], r["from"], r["to"], r["global_batch"], r["grad_accum"])
+        for r in read_metrics(run, "world")
+    ]
+    assert worlds == [(4 if name == "z3_2rank" else 3, 2, 1, 4, 2)], worlds
     assert read_metrics(run)[0]["step"] == 4  # the first step it took
     assert abs(loss_at(run, 4) - loss_at(ref, 4)) <= 1e-3 * loss_at(ref, 4)
     assert_same_state(step_dir(ref, 4), step_dir(run, 4))

@@ -5,6 +5,7 @@ the one-line banner rank 0 prints before the first step."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -225,6 +226,25 @@ def resumed(plan) -> str:
     return f" | resumed from {plan.tag}" + (
         f" (universal: saved on {plan.saved_on})" if plan.universal else ""
     )
+
+
+def world_change(plan, world: int, global_batch: int, grad_accum: int, step: int) -> dict | None:
+    """A resume on another world size than the checkpoint's (under an elastic launch: a host
+    lost, or back) as a metrics record, with the accumulation that keeps the global batch;
+    None for a fresh run or the same world. torchrun's restart count says which restart it was."""
+    if plan is None or plan.saved_on.world == world:
+        return None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return {
+        "kind": "world",
+        "step": step,
+        "from": plan.saved_on.world,
+        "to": world,
+        "global_batch": global_batch,
+        "grad_accum": grad_accum,
+        "checkpoint": plan.tag,
+        "elastic_restart": int(restart) if restart and restart.isdigit() else None,
+    }
 
 
 def versions() -> dict:

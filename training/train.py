@@ -55,6 +55,7 @@ from training.record import (
     resumed,
     run_record,
     trainer_facts,
+    world_change,
     write_record,
 )
 from training.runtime import distributed, hang, launcher, signals
@@ -183,6 +184,16 @@ def open_logger(
         batch = (prepared.micro_batch, prepared.grad_accum, dp_world, config.data.seq_len)
         logger.console(banner(record, batch) + resumed(started.resume))
     log_recipe_change(prepared.recipe_changes, logger, step)
+    global_batch = record["ds_config"]["train_batch_size"]
+    change = world_change(
+        started.resume, started.dist.world, global_batch, prepared.grad_accum, step
+    )
+    if change:  # the run's history keeps every change of world (an elastic launch's restarts)
+        logger.log(change)
+        logger.console(
+            f"world changed at step {step}: {change['from']} -> {change['to']} ranks; global "
+            f"batch {change['global_batch']} kept with gradient accumulation {change['grad_accum']}"
+        )
     return logger
 
 

@@ -23,6 +23,10 @@ from data.manifest import MANIFEST
 from training.errors import ConfigError
 
 LOCK = "run.lock"
+# torchrun's job id (--rdzv-id), the same in every round of one elastic job: a lock that a rank
+# 0 of an earlier round left on a lost host is taken over, not refused as another job's.
+ELASTIC_JOB = "TORCHELASTIC_RUN_ID"
+UNNAMED_JOB = "none"  # torchrun's id when --rdzv-id is not given: any job's, so no one's
 RUN_MARKS = ("checkpoints", "resolved_config.json", "metrics.jsonl", LOCK)
 
 
@@ -89,6 +93,8 @@ def acquire(run_dir: Path, log) -> RunLock:
     except OSError as e:
         raise ConfigError(f"--out {run_dir}: cannot create it ({e.strerror})") from None
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    if _elastic_job():
+        owner["elastic_job"] = _elastic_job()
     path = run_dir / LOCK
     for _ in range(3):  # a race with another launch taking over the same stale lock
         try:
@@ -102,8 +108,14 @@ def acquire(run_dir: Path, log) -> RunLock:
     raise ConfigError(f"{path}: another launch is taking this run folder over at the same time")
 
 
+def _elastic_job() -> str:
+    job = os.environ.get(ELASTIC_JOB, "")
+    return "" if job == UNNAMED_JOB else job
+
+
 def _take_over_if_stale(path: Path, log) -> None:
-    """Move a dead local process's lock aside; raise ConfigError for a live or remote one."""
+    """Move a dead local process's lock, or one left by an earlier round of this elastic job,
+    aside; raise ConfigError for a live or remote one."""
     try:
         held = json.loads(path.read_text())
         host, pid, since = held["host"], int(held["pid"]), float(held["since"])
@@ -114,8 +126,22 @@ def _take_over_if_stale(path: Path, log) -> None:
             f"{path}: unreadable run lock; if no run is using {path.parent}, delete it"
         ) from None
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
-    if host == socket.gethostname() and not pid_alive(pid):
-        log(f"taking over the stale lock {path} of pid {pid} (started {when}, no longer running)")
+    local = host == socket.gethostname()
+    job = _elastic_job()
+    # torchrun starts a round only once the last round's ranks have stopped: a rank 0 of an
+    # earlier round of this elastic job is gone, also when its host went with it
+    earlier_round = bool(job) and held.get("elastic_job") == job and not local
+    if local and not pid_alive(pid):
+        stale = f"the stale lock {path} of pid {pid} (started {when}, no longer running)"
+    elif earlier_round:
+        stale = (
+            f"the lock {path} of pid {pid} on {host} (started {when}), left by an earlier "
+            f"round of this elastic job ({job})"
+        )
+    else:
+        stale = None
+    if stale:
+        log(f"taking over {stale}")
         aside = path.with_name(f".{LOCK}.stale-{os.getpid()}")
         try:
             path.rename(aside)
