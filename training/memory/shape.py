@@ -26,6 +26,7 @@ class ModelShape:
     # parameters that train (LoRA: the adapters; None: all). Frozen weights carry no gradients
     # and no optimizer states.
     trainable: int | None = None
+    tied: bool = False  # the head shares the embedding's weight
 
     @property
     def trained(self) -> int:
@@ -70,6 +71,7 @@ def shape_of_config(cfg, name: str) -> ModelShape:
         hidden=hidden,
         intermediate=getattr(cfg, "intermediate_size", None) or 4 * hidden,
         vocab=cfg.vocab_size,
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
     )
 
 
@@ -98,4 +100,5 @@ def shape_of_run(resolved: dict) -> ModelShape:
         intermediate=inter,
         vocab=c["vocab_size"],
         trainable=resolved.get("trainable_params") if resolved["flags"].get("lora") else None,
+        tied=bool(c.get("tie_word_embeddings", False)),
     )
