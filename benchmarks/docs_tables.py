@@ -33,6 +33,7 @@ from benchmarks.result_tables import (
     compile_cost,
     doc_mask,
     dpo_job,
+    engines_3d,
     engines_peer,
     lora,
     matmul_by_host,
@@ -114,6 +115,7 @@ SECTIONS = [
     Section("bench_train", "docs/bench_train.md", bench_train),
     Section("soak", "docs/reliability.md", soak),
     Section("spike_guard", "docs/reliability.md", spike_guard),
+    Section("engines_3d", "docs/parallelism.md", engines_3d),
     Section("scale", "docs/scale.md", _scale, *_scale_markers(), ignore=_code_age),
     Section(
         "settings",

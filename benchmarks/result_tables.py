@@ -62,6 +62,55 @@ def engines_peer(results: Path) -> str:
     return "\n".join(body)
 
 
+def engines_3d(results: Path) -> str:
+    """pp2 x tp2 (`pipeline_tp2`, on the 4 ranks it needs) beside `zero2`, `tp2` and `pipeline`
+    on the same job and global batch: speed against `zero2`, the model states a rank measured
+    beside what the memory plan planned, the losses, and how loaded the host was."""
+    from benchmarks.compare.report import spread
+
+    d = load(results, "compare_small_3d.json")
+    job, host = d["job"], d["host"]
+    by = {r["name"]: r for r in d["rows"]}
+    base = by.get("zero2", {}).get("tokens_per_s")
+    out = []
+    for r in d["rows"]:
+        if "error" in r:
+            out.append([f"`{r['name']}`", f"not run: {r['error']}", *[""] * 8, where(d)])
+            continue
+        st = r["states"]
+        parts = ", ".join(f"{st[k] / MiB:.1f}" for k in ("params", "grads", "optimizer", "buffers"))
+        out.append(
+            [
+                f"`{r['name']}`",
+                f"{r['layout']}, {r['grad_accum']} accum ({r.get('ranks', job['ranks'])} ranks)",
+                n0(r["tokens_per_s"]),
+                spread(r),
+                f"{r['tokens_per_s'] / base:.2f}x" if base else "",
+                f"{st['total'] / MiB:.1f}",
+                f"{r['planned_states'] / MiB:.1f}" if r.get("planned_states") else "-",
+                parts,
+                f"{r['loss']:.4f}",
+                f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "-",
+                where(d),
+            ]
+        )
+    avg = host.get("loadavg") or [0]
+    after = host.get("loadavg_after") or avg
+    head = (
+        f"`{d['command']}`: `{job['model']}`, sequence {job['seq_len']}, micro-batch "
+        f"{job['micro_batch']} x {job['grad_accum']} accumulation x {job['ranks']} ranks (the "
+        f"same global batch in every row), {job['steps']} steps, {job['repeats']} rounds "
+        f"round-robin. The host was shared: load average {avg[0]:.1f} at the start and "
+        f"{after[0]:.1f} at the end on {host.get('cores', '?')} cores, "
+        f"{host.get('busy_cores', 0):.1f} cores busy on average over the run, so tokens/s "
+        "compare only within a round, and pp2 x tp2 runs 4 processes on those cores."
+    )
+    cols = ["run", "layout", "tokens/s", "spread", "vs `zero2`", "model states / rank (MiB)",
+            "planned (MiB)", "params, grads, optimizer, buffers (MiB)", "train loss",
+            "val loss", "host, date"]  # fmt: skip
+    return "\n" + head + "\n\n" + table(cols, out, right={2, 4, 5, 6, 8, 9}) + "\n"
+
+
 HOST_CLASS = ("compare_zen4.json", "compare_avx2_emulated.json", "compare_avx2_emulated_bf16.json")
 LABEL = {
     "zero2": "ZeRO-2, `auto` (zero2.json as shipped)",

@@ -18,6 +18,7 @@ from benchmarks.docs_tables import RESULTS, SECTIONS, stale
 # One planted change per table drawn from a raw file: (section, file, edit of the loaded JSON).
 PLANTS = {
     "engines_peer": ("compare_small6.json", lambda d: d["rows"][6].update(tokens_per_s=9999.0)),
+    "engines_3d": ("compare_small_3d.json", lambda d: d["rows"][-1].update(loss=9.1234)),
     "matmul_by_host": (
         "host_class/compare_zen4.json",
         lambda d: d["rows"]["ddp"][0]["precision_choice"]["rates_flops"].update(bf16=999.9e9),

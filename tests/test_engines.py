@@ -400,6 +400,25 @@ def test_compare_keeps_the_global_batch_for_every_layout():
         assert 2 * accum * replicas(name, a.ranks) == 2 * 2 * 2, (name, accum)
 
 
+def test_compare_runs_a_3d_layout_on_the_ranks_it_needs():
+    """pp2 x tp2 (`pipeline_tp2`) needs 4 ranks: on the 2-rank job benchmarks/compare runs it on
+    4, as 1 replica accumulating 4 micro-batches (the same global batch as `zero2` on 2), and
+    leaves every layout the job's ranks hold on them."""
+    import argparse
+
+    from benchmarks.compare.runs import engine_ranks, job_flags, replicas
+
+    a = argparse.Namespace(data="d", init="m", seq_len=64, micro_batch=2, grad_accum=2, steps=4,
+                           seed=1, lr=1e-3, eval_samples=4, ranks=2)  # fmt: skip
+    names = ("ddp", "zero2", "tp2", "sp2", "pipeline", "pipeline_tp2", "zero2_eager")
+    assert [engine_ranks(n, 2) for n in names] == [2, 2, 2, 2, 2, 4, 2]
+    assert engine_ranks("pipeline_tp2", 8) == 8 and engine_ranks("pipeline_tp2", 6) == 8
+    nproc = engine_ranks("pipeline_tp2", a.ranks)
+    flags = job_flags(a, replicas("pipeline_tp2", nproc))
+    assert replicas("pipeline_tp2", nproc) == 1
+    assert 2 * int(flags[flags.index("--grad-accum") + 1]) == 2 * 2 * 2
+
+
 def test_the_stock_peer_is_transformers_llama_with_our_weights():
     """benchmarks/peer_hf.py's `hf_stock` row trains transformers' own LlamaForCausalLM (SDPA
     attention) from the same initial weights as every other row: its logits equal ours."""

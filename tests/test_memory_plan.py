@@ -9,6 +9,9 @@ import pytest
 from conftest import launch
 
 from training.memory import plan_command as memory_plan
+from training.memory.plan import plan
+from training.memory.shape import model_shape
+from training.settings import ds_config
 
 STAGES = ["zero0", "zero1", "zero2", "zero3"]
 # ZeRO-3 last: its model stays partitioned in the process (transformers' zero.Init hook)
@@ -133,3 +136,42 @@ def test_an_moe_run_is_planned_with_its_experts_where_they_live():
     between = (a.total() + b.total()) / 2 * 2 / 0.9 / 2**30  # 2 ranks, 90% headroom
     assert verdict(ep, between).fits and not verdict(replicated, between).fits
     assert "does not fit this machine" in verdict(replicated, between).refusal()
+
+
+def _config(name: str) -> dict:
+    return {**ds_config.load_json(ds_config.CONFIG_DIR / f"{name}.json"), "bf16": {"enabled": True}}
+
+
+def test_plan_counts_a_rank_of_a_3d_layout():
+    """pp2 x tp2 (ds_configs/pipeline_tp2.json) on `small`: a rank holds its pipeline stage's
+    layers with the blocks' attention and MLP projections halved (the embedding, the norms and
+    the tied head whole, as pipeline_tensor.py keeps them), and ZeRO-1 divides the optimizer
+    states over the data-parallel ranks only: the arithmetic from the model's shapes."""
+    from models import get_config
+
+    c = get_config("small")
+    h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    kv = c.num_key_value_heads * h // c.num_attention_heads
+    proj = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size  # wq wo, wk wv, w1 w2 w3
+    norms = 2 * h
+    shape = model_shape("small")
+    assert shape.tied and shape.params == vocab * h + layers * (proj + norms) + h
+    # `parameters` partition: embedding + 4 blocks | 4 blocks + norm + the tied head's copy
+    last = layers // 2 * (proj + norms) + h + vocab * h
+    split = layers // 2 * (proj // 2 + norms) + h + vocab * h
+
+    def states(name: str, world: int) -> dict:
+        per = plan(shape, _config(name), world).per_rank
+        return {k: per[k]["device"] for k in ("params", "grads", "optimizer")}
+
+    # bf16 with fp32 gradient accumulation at ZeRO-1: DeepSpeed's BF16_Optimizer, whose fp32
+    # gradients are whole on every rank
+    assert states("pipeline_tp2", 4) == {"params": 2 * split, "grads": 4 * split,
+                                         "optimizer": 12 * split}  # fmt: skip
+    assert states("pipeline_tp2", 8)["optimizer"] == 12 * split // 2  # pp2 x tp2 x dp2
+    assert states("pipeline", 2)["params"] == 2 * last
+    tp_only = shape.params - layers * proj // 2
+    assert states("tp2", 2) == {"params": 2 * tp_only, "grads": 2 * tp_only,
+                                "optimizer": 12 * tp_only}  # fmt: skip
+    # the layout divides the model: pp2 x tp2 holds about 0.4 of a whole replica's parameters
+    assert states("pipeline_tp2", 4)["params"] < 0.45 * states("zero1", 1)["params"]

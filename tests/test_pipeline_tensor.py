@@ -112,6 +112,30 @@ def test_each_stage_holds_half_of_every_split_layer(runs):
 
 
 @pytest.mark.slow
+def test_the_memory_plan_counts_a_pp2_x_tp2_rank(runs):
+    """What the memory plan counts for a pp2 x tp2 rank (its stage's layers, half of each
+    block's projections, ZeRO-1 over its one replica) against what the fullest rank held
+    (`state_bytes` in metrics.jsonl): the parameters within 2% (counting the whole model on
+    every rank is 2.2x over), the fp32 master weights and Adam moments too, plus one buffer the
+    size of the tied embedding in fp32 the walk files under them. (This fp32 run is measured
+    after the pipeline's step, where ZeRO-1 has freed the gradients and the reduce bucket; bf16's
+    BF16_Optimizer keeps its fp32 gradients, and the bf16 `small` rows of docs/parallelism.md
+    match the plan to the byte.)"""
+    from training.memory.plan import plan
+    from training.memory.shape import shape_of_run
+
+    resolved = json.loads((runs["pptp"] / "resolved_config.json").read_text())
+    measured = read_metrics(runs["pptp"], "state_bytes")[0]
+    shape = shape_of_run(resolved)
+    per_rank = plan(shape, resolved["ds_config"], resolved["world"]).per_rank
+    planned = per_rank["params"]["device"]
+    assert abs(planned - measured["params_bytes"]) <= 0.02 * planned, (planned, measured)
+    planned = per_rank["optimizer"]["device"]
+    embedding = 4 * shape.vocab * shape.hidden
+    assert planned <= measured["optimizer_bytes"] <= 1.01 * (planned + embedding), measured
+
+
+@pytest.mark.slow
 def test_pp2_x_tp2_resume_is_exact(runs):
     a, b = read_metrics(runs["pptp"]), read_metrics(runs["resumed"])
     assert [r["step"] for r in b] == [6, 7, 8, 9, 10]

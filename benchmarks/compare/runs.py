@@ -145,19 +145,41 @@ def replicas(name: str, ranks: int) -> int:
         return ranks
 
 
+def engine_ranks(name: str, ranks: int) -> int:
+    """The ranks an engine runs on: the job's, or, for a layout whose model-parallel ranks
+    (pipeline x tensor x sequence) the job's do not hold, the fewest multiple of them that
+    holds the job's (`pipeline_tp2` on a 2-rank job: 4). Its data-parallel replicas accumulate
+    fewer micro-batches (job_flags), so it still steps on the same global batch."""
+    name = VARIANTS.get(name, (name,))[0]
+    path = REPO / "ds_configs" / f"{name}.json"
+    if name in NATIVE or not path.is_file():
+        return ranks
+    from training.errors import ConfigError
+    from training.settings import ds_config, parallel
+
+    try:
+        cfg = ds_config.load_json(path)
+        model = ds_config.pipeline_stages(cfg) * parallel.tensor_size(cfg)
+        model *= parallel.sequence_size(cfg)
+    except (ConfigError, ValueError, TypeError):  # the run says what is wrong, in its own line
+        return ranks
+    return ranks if ranks % model == 0 else model * -(-ranks // model)
+
+
 def run_engine(name: str, a, repeat: int = 0) -> dict:
     out = Path(a.runs) / (name if repeat == 0 else f"{name}.{repeat}")
     t = time.time()
-    flags = [*job_flags(a, replicas(name, a.ranks)), *engine_flags(name), "--out", str(out)]
+    nproc = engine_ranks(name, a.ranks)
+    flags = [*job_flags(a, replicas(name, nproc)), *engine_flags(name), "--out", str(out)]
     flags += VARIANTS.get(name, (name, []))[1]
-    p = _torchrun(a, ["training/train.py", *flags])
+    p = _torchrun(a, ["training/train.py", *flags], nproc=nproc)
     if p.returncode != 0:
         err = [x for x in (p.stderr + p.stdout).splitlines() if x.startswith("error: ")]
         reason = err[0][len("error: ") :] if err else f"exit {p.returncode}"
         if not err:
             print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
         return {"name": name, "error": reason}
-    return {**summarize(out, name), "wall_s": time.time() - t}
+    return {**summarize(out, name), "ranks": nproc, "wall_s": time.time() - t}
 
 
 def summarize(run_dir: Path, name: str) -> dict:

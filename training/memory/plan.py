@@ -3,7 +3,9 @@ category (parameters, gradients, optimizer states, buckets, working set, activat
 runtime) and location (device, host, NVMe). Whether that fits is capacity.py's, the cheapest
 config that does fit.py's, the trainer's check verdict.py's, the command plan_command.py's.
 
-Model states per rank, P parameters, N data-parallel ranks, w bytes per 16-bit (2) or fp32 (4)
+Model states per rank, P parameters on the rank (pipeline stages and tensor parallelism: the
+fullest stage, its blocks' projections divided by tp; rank_share.py), N data-parallel ranks
+(world / (pp x tp)), w bytes per 16-bit (2) or fp32 (4)
 parameter, as DeepSpeed 0.19 allocates them with our engine (mixed precision keeps fp32 master
 weights and Adam's two moments: 12 bytes per parameter, in every precision; under expert
 parallelism, ep ranks to an expert group, a P not divided by N counts the experts' parameters
@@ -15,6 +17,8 @@ once per ep ranks):
     2      w P          w P / N     12 P / N            -
     3      w P / N      w P / N     12 P / N            reduce_bucket_size x w
 
+bf16 with fp32 gradient accumulation at ZeRO-1 (the pipeline configs) is DeepSpeed's BF16_Optimizer:
+gradients 4 P, whole on every rank, and no reduce bucket.
 Offloading the optimizer to the CPU moves its states and an fp32 copy of the gradient partition
 (4 P / N) to host memory; offloading parameters moves the parameter partition there; nvme moves
 them to disk and keeps swap buffers in host memory. Activations are an estimate (a Llama block
@@ -29,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from training.memory import rank_share
 from training.memory.shape import ModelShape, shape_of_run
 from training.settings import ds_config, parallel
 
@@ -172,8 +177,8 @@ def model_state_placement(
     zero = ds_cfg.get("zero_optimization", {})
     stage = ds_config.zero_stage(ds_cfg)
     w = 4 if ds_config.precision(ds_cfg) == "fp32" else 2
-    dp = max(1, world // ds_config.pipeline_stages(ds_cfg))
-    n_params = shape.params
+    dp = rank_share.data_parallel(ds_cfg, world)
+    n_params = rank_share.rank_params(shape, ds_cfg)  # this rank's stage and slices
     off_opt, off_par = _device(zero, "optimizer"), _device(zero, "param")
     bucket = _int(
         zero.get("reduce_bucket_size"),
@@ -187,11 +192,13 @@ def model_state_placement(
     params = w * n_params / dp if stage == 3 else w * local
     if stage == 3 and _held_whole(shape, zero):
         params += w * local  # every weight persists whole beside its partition
-    n_train = shape.trained  # frozen weights: no gradient, no optimizer state
+    n_train = rank_share.rank_trained(shape, ds_cfg)  # frozen: no gradient, no optimizer state
     local_train = shape.on_rank(n_train, ep)
     grads = w * n_train / dp if stage >= 2 else w * local_train
     optimizer = 12 * n_train / dp if stage >= 1 else (12 if w == 2 else 8) * local_train
     buffers = bucket * w if stage in (1, 3) else 0
+    if _bf16_optimizer(ds_cfg, stage, off_opt):
+        grads, buffers = 4 * n_train, 0  # whole fp32 gradients, reduced in place: no bucket
 
     per = {c: dict.fromkeys(LOCATIONS, 0) for c in CATEGORIES}
     per["params"]["device"] = params
@@ -233,6 +240,15 @@ def model_state_placement(
     return per
 
 
+def _bf16_optimizer(ds_cfg: dict, stage: int, off_opt: str) -> bool:
+    """Whether DeepSpeed runs its BF16_Optimizer in place of ZeRO-1's (engine.py's optimizer
+    check: bf16 with fp32 gradient accumulation at stage 1 without offload, as the pipeline
+    configs ship): every rank keeps the whole gradient in fp32 and no reduce bucket."""
+    accum = str(ds_cfg.get("data_types", {}).get("grad_accum_dtype", "")).lower()
+    bf16 = ds_config.precision(ds_cfg) == "bf16"
+    return bf16 and accum in ("fp32", "float32") and stage == 1 and off_opt == "none"
+
+
 def _held_whole(shape: ModelShape, zero: dict) -> bool:
     """Whether ZeRO-3 keeps every weight gathered (its persistence threshold covers the largest
     module's: settings/ds_config.py persistence_threshold): then they are model states, held
@@ -252,7 +268,7 @@ def working_bytes(shape: ModelShape, ds_cfg: dict, world: int, activations: int)
     zero = ds_cfg.get("zero_optimization", {})
     stage = ds_config.zero_stage(ds_cfg)
     w = 4 if ds_config.precision(ds_cfg) == "fp32" else 2
-    dp = max(1, world // ds_config.pipeline_stages(ds_cfg))
+    dp = rank_share.data_parallel(ds_cfg, world)
     gathered = 0
     if stage == 3 and not _held_whole(shape, zero):
         live = _int(zero.get("stage3_max_live_parameters"), 1_000_000_000)
@@ -261,7 +277,7 @@ def working_bytes(shape: ModelShape, ds_cfg: dict, world: int, activations: int)
         gathered = w * max(kept, shape.largest_layer)  # at least the module in use
     step = 0
     if stage >= 1 and _device(zero, "optimizer") == "none" and w == 2:
-        step = max(0, 4 * shape.trained // dp - activations)
+        step = max(0, 4 * rank_share.rank_trained(shape, ds_cfg) // dp - activations)
     # With the optimizer on NVMe the fp32 gradients are cast and swapped out a reduce bucket at
     # a time (stage3.partition_grads at the boundary), never as a whole partition; what that
     # path holds is a sub-group's worth (model_state_placement).

@@ -29,6 +29,7 @@ class ModelShape:
     # parameters of the routed experts (within `params`): expert parallelism splits them across
     # the ranks of an expert group, where every other weight is on every rank
     experts: int = 0
+    tied: bool = False  # the head shares the embedding's weight
 
     @property
     def trained(self) -> int:
@@ -82,6 +83,7 @@ def shape_of_config(cfg, name: str) -> ModelShape:
         intermediate=getattr(cfg, "intermediate_size", None) or 4 * hidden,
         vocab=cfg.vocab_size,
         experts=experts,
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
     )
 
 
@@ -111,6 +113,7 @@ def shape_of_run(resolved: dict) -> ModelShape:
         vocab=c["vocab_size"],
         trainable=resolved.get("trainable_params") if resolved["flags"].get("lora") else None,
         experts=_expert_params(c, inter),
+        tied=bool(c.get("tie_word_embeddings", False)),
     )
 
 
