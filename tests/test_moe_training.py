@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RUN, launch, read_metrics
-from transformers import AutoModelForCausalLM, MixtralConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from training.checkpoints import layout as ckpt
 from training.checkpoints.hf_export import export_report
@@ -68,12 +68,24 @@ def assert_exports_as_mixtral(run, hf) -> None:
     assert report.generated and report.max_logit_diff < 1e-4
 
 
-def test_hf_mixtral_folder_trains(tiny_data, tmp_path):
-    folder = tmp_path / "mixtral"
-    MixtralConfig(
+HF_MOE = {
+    "mixtral": lambda **kw: MixtralConfig(num_local_experts=4, output_router_logits=True, **kw),
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(
+        num_experts=4, moe_intermediate_size=88, head_dim=16, output_router_logits=True, **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HF_MOE))
+def test_hf_moe_folder_trains(tiny_data, tmp_path, kind):
+    """A random-initialised Mixtral or Qwen3-MoE folder (built with transformers, no download)
+    trains as the dense HF folders do (with output_router_logits, transformers adds the
+    folder's load-balancing loss to the loss the trainer steps on)."""
+    folder = tmp_path / kind
+    HF_MOE[kind](
         vocab_size=512, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=256, output_router_logits=True,
+        num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+        max_position_embeddings=256,
     ).save_pretrained(folder)  # fmt: skip
     run = tmp_path / "run"
     args = [a if a != "tiny" else str(folder) for a in TINY_RUN]
