@@ -252,8 +252,9 @@ def report(a, trainer, counts: list[tuple[int, int, int]], times: list[float]) -
         dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    t = sum(times[WARMUP_STEPS:])
-    tot = per_step[WARMUP_STEPS:].sum(0)
+    skip = min(WARMUP_STEPS, len(times) - 1)  # a run of a step or two: its last
+    t = sum(times[skip:])
+    tot = per_step[skip:].sum(0)
     row = {
         "positions_per_s": tot[0].item() / t,
         "tokens_per_s": tot[1].item() / t,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -102,16 +103,28 @@ def pretokenized_trainer():
     return PreTokenizedDPOTrainer
 
 
+def on_disk(rows: list[dict], folder: Path):
+    """`rows` as a dataset saved in `folder` (rank 0 writes, every rank loads), as a user's data
+    set loaded from disk is: TRL's precompute writes its cache beside the data on rank 0 and
+    the other ranks open that file (a dataset built in memory keeps its cache in a temporary
+    folder of each process, where the other ranks do not find it)."""
+    import torch.distributed as dist
+    from datasets import Dataset, load_from_disk
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        Dataset.from_list(rows).save_to_disk(str(folder))
+    if dist.is_initialized():
+        dist.barrier()
+    return load_from_disk(str(folder))
+
+
 def build_dpo(a, args, model, tok, world: int, callbacks: list):
     """TRL's DPOTrainer on the pairs in zerostack's order, and how to tally its batches."""
-    from datasets import Dataset
-
+    rows = pairs_in_our_order(a.data, a.seq_len, a.steps * a.micro_batch * world)
     trainer = pretokenized_trainer()(
         model=model,
         args=args,
-        train_dataset=Dataset.from_list(
-            pairs_in_our_order(a.data, a.seq_len, a.steps * a.micro_batch * world)
-        ),
+        train_dataset=on_disk(rows, Path(a.out) / "pairs"),
         processing_class=tok,
         peft_config=peer_trl.lora_config(a.lora) if a.lora else None,
         callbacks=callbacks,
@@ -158,8 +171,9 @@ def fp32_check(a) -> list[dict]:
 
 
 def zerostack_flags(a) -> list[str]:
-    """zerostack's DPO run: TRL's beta, and a constant learning rate (TRL's here)."""
-    return ["--dpo-beta", str(a.beta), "--min-lr-ratio", "1"]
+    """zerostack's DPO run: TRL's beta, a constant learning rate (TRL's here), and a short
+    last evaluation (TRL's rows have none)."""
+    return ["--dpo-beta", str(a.beta), "--min-lr-ratio", "1", "--eval-samples", "8"]
 
 
 def dpo_system(a, system: str, zerostack_out: Path) -> list[str]:
