@@ -38,6 +38,7 @@ from benchmarks.result_tables import (
     matmul_by_host,
     precision_by_host,
     quickstart_cpu,
+    trl_dpo,
     trl_sft,
 )
 
@@ -103,6 +104,7 @@ SECTIONS = [
     Section("lora", "docs/benchmarks.md", lora),
     Section("trl_sft", "docs/benchmarks.md", trl_sft),
     Section("dpo_job", "docs/finetuning.md", dpo_job),
+    Section("trl_dpo", "docs/finetuning.md", trl_dpo),
     Section("quickstart_cpu", "docs/cpu.md", quickstart_cpu),
     Section("checkpoint_shared", "docs/checkpoints.md", checkpoint_shared),
     Section("checkpoint_quiet", "docs/checkpoints.md", checkpoint_quiet),

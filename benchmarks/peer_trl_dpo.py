@@ -4,7 +4,9 @@ tokens/s and peak memory per rank.
     python -m benchmarks.peer_trl_dpo --data PAIRS --model LLAMA_FOLDER [--rounds 3] [--steps 8]
 
 PAIRS is preference data from `data.prepare` (the offline DPO job's, benchmarks/dpo_job.py),
-MODEL a Llama folder with the same tokenizer (the job's base). The rounds are those of
+MODEL a Llama folder with the same tokenizer (the job's base). TRL's format has one prompt a
+pair, so every pair's prompt must tokenize the same before either answer (a tokenizer can
+merge a prompt's last characters with an answer's first: keep such rows out of PAIRS). The rounds are those of
 benchmarks/peer_trl.py (its machinery, shared): per round, for ZeRO-2 and ZeRO-3, full and
 `--lora`, a real 2-rank zerostack DPO run under torchrun, then TRL's `DPOTrainer` on the same
 model, pairs in the same order, micro-batch (pairs a rank), learning rate, beta and precision.
@@ -50,7 +52,10 @@ def split_pair(chosen: dict, rejected: dict) -> dict:
         or not all(chosen["completion_mask"][start:])
         or not all(rejected["completion_mask"][start:])
     ):
-        raise ValueError("a pair whose answers do not follow one shared prompt")
+        raise ValueError(
+            "a pair whose answers do not follow one shared prompt (its prompt tokenizes "
+            "differently before each answer): TRL's format cannot hold it; leave it out"
+        )
     return {
         "prompt_ids": chosen["input_ids"][:start],
         "chosen_ids": chosen["input_ids"][start:],
@@ -179,8 +184,12 @@ def zerostack_flags(a) -> list[str]:
 def dpo_system(a, system: str, zerostack_out: Path) -> list[str]:
     """A TRL row's flags: beta, the overlap_comm our run resolved, and for trl_precompute the
     reference log-probs precomputed (no reference model)."""
-    resolved = json.loads((zerostack_out / "resolved_config.json").read_text())
-    overlap = resolved["ds_config"]["zero_optimization"]["overlap_comm"]
+    resolved = zerostack_out / "resolved_config.json"
+    overlap = (  # a zerostack run that failed before resolving it: DeepSpeed's default
+        json.loads(resolved.read_text())["ds_config"]["zero_optimization"]["overlap_comm"]
+        if resolved.is_file()
+        else False
+    )
     flags = ["--beta", str(a.beta), "--overlap-comm", str(bool(overlap)).lower()]
     return flags + (["--precompute"] if system == "trl_precompute" else [])
 
