@@ -40,6 +40,7 @@ from benchmarks.result_tables import (
     moe,
     precision_by_host,
     quickstart_cpu,
+    trl_dpo,
     trl_sft,
 )
 
@@ -106,6 +107,7 @@ SECTIONS = [
     Section("moe", "docs/benchmarks.md", moe),
     Section("trl_sft", "docs/benchmarks.md", trl_sft),
     Section("dpo_job", "docs/finetuning.md", dpo_job),
+    Section("trl_dpo", "docs/finetuning.md", trl_dpo),
     Section("quickstart_cpu", "docs/cpu.md", quickstart_cpu),
     Section("checkpoint_shared", "docs/checkpoints.md", checkpoint_shared),
     Section("checkpoint_quiet", "docs/checkpoints.md", checkpoint_quiet),

@@ -81,33 +81,45 @@ def examples(data: str, split: str = "train") -> list[dict]:
     return rows
 
 
+def train_split(data: str, seq_len: int):
+    """The training split as zerostack's reader opens it: examples, or preference pairs."""
+    from data import load_manifest
+    from data.examples import ExampleDataset
+    from data.pairs import PairDataset, is_pairs
+
+    cls = PairDataset if is_pairs(load_manifest(data)) else ExampleDataset
+    return cls(data, "train", seq_len)
+
+
 def in_our_order(data: str, seq_len: int, n: int, seed: int = SEED) -> list[dict]:
-    """The first n examples zerostack's reader draws for `seed` (global positions 0..n-1; rank r
-    of step s takes positions (s * world + r) * micro_batch onwards)."""
+    """The examples of the first n samples zerostack's reader draws for `seed` (global positions
+    0..n-1; rank r of step s takes positions (s * world + r) * micro_batch onwards). A sample of
+    preference data is a pair: its chosen example, then its rejected one (2n rows)."""
     import numpy as np
 
-    from data.examples import ExampleDataset
-
+    ds = train_split(data, seq_len)
+    order = ds.order(seed)(np.arange(n))
     rows = examples(data)
-    order = ExampleDataset(data, "train", seq_len).order(seed)(np.arange(n))
+    if getattr(ds, "pairs", False):
+        return [rows[2 * i + side] for i in order for side in (0, 1)]
     return [rows[i] for i in order]
 
 
 def drawn_means(data: str, seq_len: int, steps: int, per_step: int) -> dict:
     """Mean tokens and trained tokens of the examples the timed steps draw (after warm-up): the
     same ones on both systems, as their batches are the same."""
-    rows = in_our_order(data, seq_len, steps * per_step)[WARMUP_STEPS * per_step :]
+    rows = in_our_order(data, seq_len, steps * per_step)
+    rows = rows[WARMUP_STEPS * len(rows) // steps :]
     return {
         "tokens": statistics.fmean(min(len(r["input_ids"]), seq_len + 1) for r in rows),
         "trained": statistics.fmean(sum(r["completion_mask"]) for r in rows),
     }
 
 
-def sft_config(a):
-    """TRL's arguments for the job: DeepSpeed from ds_configs/CONFIG.json (trl_tuned: with the
-    buckets our trainer picked), on the CPU, a constant learning rate, every step logged."""
-    from trl import SFTConfig
-
+def trainer_args(a) -> dict:
+    """The Trainer's arguments every peer job shares: DeepSpeed from ds_configs/CONFIG.json
+    (trl_tuned: with the buckets our trainer picked), on the CPU, a constant learning rate,
+    every step logged, the examples in zerostack's order."""
     ds = json.loads((REPO / "ds_configs" / f"{a.config}.json").read_text())
     ds = {k: v for k, v in ds.items() if not k.startswith("_")}
     zero = ds.get("zero_optimization", {})
@@ -115,7 +127,7 @@ def sft_config(a):
     if a.ds_from:  # trl_tuned: the buckets our trainer picked, where the shipped file says auto
         ours = json.loads(Path(a.ds_from).read_text())["ds_config"]["zero_optimization"]
         zero |= {k: ours[k] for k, v in zero.items() if v == "auto" and k in ours}
-    return SFTConfig(
+    return dict(
         output_dir=str(Path(a.out) / "trainer"),
         per_device_train_batch_size=a.micro_batch,
         gradient_accumulation_steps=1,
@@ -135,46 +147,72 @@ def sft_config(a):
         dataloader_num_workers=0,
         disable_tqdm=True,
         max_length=None,  # the examples are already within --seq-len + 1 (prepare dropped the rest)
-        completion_only_loss=True,
-        gradient_checkpointing=not a.ds_from,  # TRL's default is on; trl_tuned turns it off
-        # the examples come in zerostack's order (below): accelerate deals batch k to rank
-        # k % world, as our reader does, so every step's batches are the same on both
+        # the examples come in zerostack's order (in_our_order): accelerate deals batch k to
+        # rank k % world, as our reader does, so every step's batches are the same on both
         train_sampling_strategy="sequential",
     )
 
 
-def counted(collate, counts: list[tuple[int, int, int]]):
-    """`collate` that also appends each batch's positions, real tokens and trained tokens to
-    `counts`."""
+def sft_config(a):
+    """SFTTrainer's arguments: the shared ones, the loss on completions only, and TRL's
+    default gradient checkpointing (trl_tuned turns it off)."""
+    from trl import SFTConfig
+
+    return SFTConfig(
+        **trainer_args(a), completion_only_loss=True, gradient_checkpointing=not a.ds_from
+    )
+
+
+def sft_tally(batch: list[dict], out: dict) -> tuple[int, int, int]:
+    """A batch of SFTTrainer's collator: its positions, real tokens and trained tokens."""
+    return (
+        out["input_ids"].numel(),
+        int(sum(len(b["input_ids"]) for b in batch)),
+        int((out["labels"][:, 1:] != -100).sum()),  # the model shifts the labels
+    )
+
+
+def counted(collate, counts: list[tuple[int, int, int]], tally=sft_tally):
+    """`collate` that also appends each batch's `tally` (positions, real tokens, trained
+    tokens) to `counts`."""
 
     def f(batch):
         out = collate(batch)
-        counts.append(
-            (
-                out["input_ids"].numel(),
-                int(sum(len(b["input_ids"]) for b in batch)),
-                int((out["labels"][:, 1:] != -100).sum()),  # the model shifts the labels
-            )
-        )
+        counts.append(tally(batch, out))
         return out
 
     return f
 
 
-def worker(a) -> None:
-    """One rank of TRL's SFTTrainer under torchrun (the driver starts it)."""
-    import torch
-    import torch.distributed as dist
+def build_sft(a, args, model, tok, world: int, callbacks: list):
+    """TRL's SFTTrainer on the examples in zerostack's order, and how to tally its batches."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTTrainer
+
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(
+            in_our_order(a.data, a.seq_len, a.steps * a.micro_batch * world)
+        ),
+        processing_class=tok,
+        peft_config=lora_config(a.lora) if a.lora else None,
+        callbacks=callbacks,
+    )
+    return trainer, sft_tally
+
+
+def worker(a, make_args=sft_config, build=build_sft) -> None:
+    """One rank of a TRL trainer under torchrun (the driver starts it): `make_args(a)` its
+    arguments, `build(a, args, model, tokenizer, world, callbacks)` the trainer and its tally."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as our trainer does
     dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
-    args = sft_config(a)
+    args = make_args(a)
     counts: list[tuple[int, int, int]] = []  # per batch: positions, real tokens, trained tokens
-
     times: list[float] = []
 
     class StepTimes(TrainerCallback):
@@ -193,44 +231,45 @@ def worker(a) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
-    trainer = SFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=Dataset.from_list(
-            in_our_order(a.data, a.seq_len, a.steps * a.micro_batch * world)
-        ),
-        processing_class=tok,
-        peft_config=lora_config(a.lora) if a.lora else None,
-        callbacks=[StepTimes()],
-    )
-    trainer.data_collator = counted(trainer.data_collator, counts)
+    trainer, tally = build(a, args, model, tok, world, [StepTimes()])
+    trainer.data_collator = counted(trainer.data_collator, counts, tally)
     trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    report(a, trainer, counts, times)
+
+
+def report(a, trainer, counts: list[tuple[int, int, int]], times: list[float]) -> None:
+    """Rank 0 writes OUT/row.json: the timed steps' three rates over all ranks, the largest
+    rank's peak memory, the losses and the first step's logged figures. All ranks call."""
+    import torch
+    import torch.distributed as dist
+
+    logs = [h for h in trainer.state.log_history if "loss" in h]
     # grad_accum 1: the dataloader yields one batch per step, in order (no prefetch workers)
     per_step = torch.tensor([list(c) for c in counts[: len(times)]], dtype=torch.float64)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
     if dist.is_initialized():
         dist.all_reduce(per_step)  # every rank's tokens of each step
         dist.all_reduce(rss, op=dist.ReduceOp.MAX)
-    if int(os.environ.get("RANK", "0")) == 0:
-        t = sum(times[WARMUP_STEPS:])
-        tot = per_step[WARMUP_STEPS:].sum(0)
-        row = {
-            "positions_per_s": tot[0].item() / t,
-            "tokens_per_s": tot[1].item() / t,
-            "trained_tokens_per_s": tot[2].item() / t,
-            "peak_mem_gb": rss.item() / 2**30,
-            "loss_step1": losses[0],
-            "loss_last": losses[-1],
-            "precision": a.precision,
-            "trainable": sum(
-                getattr(p, "ds_numel", p.numel())
-                for p in trainer.model.parameters()
-                if p.requires_grad
-            ),  # ZeRO-3 leaves each rank a shard: ds_numel is the whole
-            "step_s": times,
-        }
-        Path(a.out, "row.json").write_text(json.dumps(row))
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    skip = min(WARMUP_STEPS, len(times) - 1)  # a run of a step or two: its last
+    t = sum(times[skip:])
+    tot = per_step[skip:].sum(0)
+    row = {
+        "positions_per_s": tot[0].item() / t,
+        "tokens_per_s": tot[1].item() / t,
+        "trained_tokens_per_s": tot[2].item() / t,
+        "peak_mem_gb": rss.item() / 2**30,
+        "loss_step1": logs[0]["loss"],
+        "loss_last": logs[-1]["loss"],
+        "step1": logs[0],
+        "precision": a.precision,
+        "trainable": sum(
+            getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters() if p.requires_grad
+        ),  # ZeRO-3 leaves each rank a shard: ds_numel is the whole
+        "step_s": times,
+    }
+    Path(a.out, "row.json").write_text(json.dumps(row))
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -247,14 +286,14 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(cmd, "timeout", out, err + f"\nno exit in {TIMEOUT_S} s")
 
 
-def run_trl(a, config, lora, precision, out: Path, ds_from: Path | None = None) -> dict:
+def run_trl(a, config, lora, precision, out: Path, extra: list[str]) -> dict:
+    """A 2-rank job of the peer's worker (`a.module --worker`, with `extra` flags): its row."""
     out.mkdir(parents=True, exist_ok=True)
-    program = ["-m", "benchmarks.peer_trl", "--worker", "--config", config]
+    program = ["-m", a.module, "--worker", "--config", config]
     cmd = launcher_command("torchrun", a.ranks, program, port=free_port())
     cmd += ["--data", a.data, "--model", a.model, "--out", str(out), "--steps", str(a.steps)]
     cmd += ["--micro-batch", str(a.micro_batch), "--lr", str(a.lr), "--precision", precision]
-    cmd += ["--seq-len", str(a.seq_len), "--lora", lora]
-    cmd += ["--ds-from", str(ds_from)] if ds_from else []
+    cmd += ["--seq-len", str(a.seq_len), "--lora", lora, *extra]
     failed = _run_logged(cmd, out)
     if failed:
         return failed
@@ -277,7 +316,8 @@ def zerostack_row(out: Path, seq_len: int, means: dict) -> dict:
     as the three rates, with the drawn examples' mean tokens and trained tokens."""
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train"]
-    positions = statistics.median(r["tokens_per_s"] for r in train[WARMUP_STEPS:])
+    timed = train[WARMUP_STEPS:] or train[-1:]  # a run of a step or two: its last
+    positions = statistics.median(r["tokens_per_s"] for r in timed)
     resolved = json.loads((out / "resolved_config.json").read_text())
     samples = positions / seq_len
     return {
@@ -287,19 +327,21 @@ def zerostack_row(out: Path, seq_len: int, means: dict) -> dict:
         "peak_mem_gb": max(r["peak_mem_gb"] for r in train),
         "loss_step1": train[0]["loss"],
         "loss_last": train[-1]["loss"],
+        "step1": train[0],
         "precision": resolved["precision"],
         "trainable": resolved["trainable_params"],
     }
 
 
 def run_zerostack(a, config: str, lora: str, out: Path, means: dict) -> dict:
+    """A 2-rank training/train.py job on the same data, model and batch: its row."""
     program = ["training/train.py", "--ds_config", f"ds_configs/{config}.json"]
     cmd = launcher_command("torchrun", a.ranks, program, port=free_port())
     cmd += ["--data", a.data, "--model", a.model, "--out", str(out), "--seq-len", str(a.seq_len)]
     cmd += ["--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--lr", str(a.lr)]
     cmd += ["--warmup", "0", "--log-every", "1", "--eval-every", "0", "--save-every", "-1"]
     cmd += ["--resume", "never", "--no-compile", "--seed", str(SEED)]
-    cmd += ["--lora", lora] if lora else []
+    cmd += (["--lora", lora] if lora else []) + a.zerostack_flags
     failed = _run_logged(cmd, out)
     if failed:
         return failed
@@ -321,6 +363,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             s[k] = statistics.median(v)
             s[k + "_spread"] = (min(v), max(v))
         s["loss_step1"] = rs[0]["loss_step1"]
+        s["step1"] = rs[0].get("step1")  # the first step's logged figures
         s["precision"] = rs[0]["precision"]
         s["trainable"] = rs[0]["trainable"]
         out.append(s)
@@ -342,8 +385,9 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser(doc: str, results: str, systems: str, systems_help: str) -> argparse.ArgumentParser:
+    """The options every peer benchmark takes (driver, and worker flags the driver passes)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--data", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--configs", default="zero2,zero3")
@@ -354,27 +398,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument(
-        "--systems",
-        default="trl",
-        help="peers beside zerostack: trl (TRL's defaults), trl_tuned (our run's ZeRO buckets, "
-        "no gradient checkpointing)",
-    )
+    p.add_argument("--systems", default=systems, help=systems_help)
     p.add_argument("--runs", default="runs/bench_trl")
-    p.add_argument("--json", default="benchmarks/results/trl_sft.json")
+    p.add_argument("--json", default=results)
     # worker (one rank of TRL, started by the driver)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--precision", help=argparse.SUPPRESS)
     p.add_argument("--ds-from", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.worker:
-        worker(a)
-        return 0
+    return p
+
+
+def drive(
+    a, module: str, system_flags, zerostack_flags: list[str], extra: dict | None = None
+) -> int:
+    """Interleaved rounds: per round, ZeRO config and full/LoRA, zerostack then each peer
+    system (`system_flags(system, zerostack_out)`: its worker's extra flags). Raw rows, their
+    summary and `extra` to --json after every round."""
     from benchmarks.host import host_class
 
+    a.module, a.zerostack_flags = module, zerostack_flags
     a.data, a.model = str(Path(a.data).resolve()), str(Path(a.model).resolve())
+    pairs = getattr(train_split(a.data, a.seq_len), "pairs", False)
     means = drawn_means(a.data, a.seq_len, a.steps, a.micro_batch * a.ranks)
     runs, host = Path(a.runs), host_class()
     rows, loads = [], []
@@ -389,20 +435,36 @@ def main(argv: list[str] | None = None) -> int:
                 precision = z.get("precision") or "bf16"
                 rows.append(z)
                 for system in a.systems.split(","):
-                    ds_from = out / "zerostack" / "resolved_config.json"
-                    ds_from = ds_from if system == "trl_tuned" else None
-                    t = run_trl(a, config, lora, precision, out / system, ds_from)
+                    flags = system_flags(system, out / "zerostack")
+                    t = run_trl(a, config, lora, precision, out / system, flags)
                     t |= {"round": rnd, "config": config, "mode": mode, "system": system}
                     print(t, flush=True)
                     rows.append(t)
-        summary = summarise(rows)  # written after every round: a cut-short run keeps its rounds
-        record = {"date": today(), "host": host, "load_avg_1m": loads, "cpus": os.cpu_count(), "args": vars(a),
-                  "data_means": means, "rows": rows, "summary": summary}  # fmt: skip
-        Path(a.json).write_text(json.dumps(record, indent=1))
+        record = {"date": today(), "host": host, "load_avg_1m": loads, "cpus": os.cpu_count(),
+                  "args": vars(a), "data_means": means, "pairs": pairs, "rows": rows,
+                  "summary": summarise(rows), **(extra or {})}  # fmt: skip
+        Path(a.json).write_text(json.dumps(record, indent=1))  # a cut-short run keeps its rounds
     print(f"\n{host}; {a.ranks} ranks, seq {a.seq_len}, micro-batch {a.micro_batch}, "
           f"{a.steps} steps, load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
-    print(table(summary))
+    print(table(record["summary"]))
     return 0
+
+
+def sft_system(system: str, zerostack_out: Path) -> list[str]:
+    """trl_tuned: with the ZeRO buckets our trainer picked (and no gradient checkpointing)."""
+    tuned = system == "trl_tuned"
+    return ["--ds-from", str(zerostack_out / "resolved_config.json")] if tuned else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    systems_help = ("peers beside zerostack: trl (TRL's defaults), trl_tuned (our run's ZeRO "
+                    "buckets, no gradient checkpointing)")  # fmt: skip
+    p = parser(__doc__, "benchmarks/results/trl_sft.json", "trl", systems_help)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    return drive(a, "benchmarks.peer_trl", sft_system, [])
 
 
 if __name__ == "__main__":

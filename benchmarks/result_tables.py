@@ -289,7 +289,27 @@ def moe(results: Path) -> str:
 
 
 def trl_sft(results: Path) -> str:
-    d = load(results, "trl_sft.json")
+    return peer_table(load(results, "trl_sft.json"))
+
+
+def trl_dpo(results: Path) -> str:
+    """The DPO peer's rows, and its fp32 step-1 check (zerostack / TRL)."""
+    d = load(results, "trl_dpo.json")
+    checks = []
+    for c in d["fp32_check"]:
+        if "error" in c:
+            checks.append(f"{c['mode']}: failed ({c['error']})")
+            continue
+        (lz, lt), (pz, pt) = c["loss_step1"], c["logps_chosen_step1"]
+        checks.append(
+            f"{c['mode']}: loss {lz:.7f} / {lt:.7f}, chosen log-prob {pz:.5f} / {pt:.5f}"
+            + ("" if c["agree"] else " (**differ by more than 1e-5**)")
+        )
+    return peer_table(d) + "\n\nStep 1 in fp32, ZeRO-2, zerostack / TRL: " + "; ".join(checks) + "."
+
+
+def peer_table(d: dict) -> str:
+    """The summary rows of a run of benchmarks/peer_trl.py (or peer_trl_dpo.py)."""
     rows = []
     for r in d["summary"]:
         lo, hi = r["trained_tokens_per_s_spread"]

@@ -210,3 +210,35 @@ def chat_data(tiny_data, tmp_path_factory) -> Path:
     out = base / "sft"
     prepare(src, out, tokenizer=tok, seq_len=64, val_fraction=0.2, progress=False)
     return out
+
+
+def pair_rows(n: int) -> list[dict]:
+    """`n` pairs in TRL's two shapes: text, and conversational with an implicit prompt."""
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append({"prompt": f"def f{i}(x):", "chosen": f"    return x + {i}",
+                        "rejected": f"    pass  # {i}"})  # fmt: skip
+        else:
+            user = {"role": "user", "content": f"Is {i} even?"}
+            out.append({"chosen": [user, {"role": "assistant", "content": "yes " * (i % 5 + 1)}],
+                        "rejected": [user, {"role": "assistant", "content": "no"}]})  # fmt: skip
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def pairs(tiny_data, tmp_path_factory) -> dict:
+    """Preference data from `pair_rows(48)`, 64-token sequences, and the tokenizer."""
+    from data import prepare
+
+    base = tmp_path_factory.mktemp("pairs")
+    tok = chat_tokenizer(tiny_data, base / "tokenizer")
+    src = write_jsonl(base / "pairs.jsonl", pair_rows(48))
+    out = base / "pref"
+    prepare(src, out, tokenizer=tok, seq_len=64, val_fraction=0.25, progress=False)
+    return {"data": out, "tokenizer": tok, "base": base}

@@ -34,6 +34,7 @@ PLANTS = {
     "lora": ("lora.json", lambda d: d["rows"][0].update(model_states_mb=120.3)),
     "moe": ("moe.json", lambda d: d["summary"][1].update(tokens_per_s=9999.0)),
     "trl_sft": ("trl_sft.json", lambda d: d["summary"][0].update(trained_tokens_per_s=3300.0)),
+    "trl_dpo": ("trl_dpo.json", lambda d: d["fp32_check"][0]["loss_step1"].__setitem__(1, 0.7)),
     "quickstart_cpu": (
         "host_class/quickstart_avx2_emulated.json",
         lambda d: d.update(first_step_s_compiling=11.0),

@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import chat_tokenizer, launch, read_metrics, refused
+from conftest import launch, pair_rows, read_metrics, refused, write_jsonl
 
 from data import prepare
 from data.examples import IGNORE_INDEX
@@ -29,36 +28,6 @@ RUN = [
     "--eval-samples", "8", "--lr", "3e-3", "--warmup", "1", "--steps", "6", "--save-every", "3",
     "--precision", "fp32", "--no-compile",
 ]  # fmt: skip
-
-
-def pair_rows(n: int) -> list[dict]:
-    """`n` pairs in TRL's two shapes: text, and conversational with an implicit prompt."""
-    out = []
-    for i in range(n):
-        if i % 2:
-            out.append({"prompt": f"def f{i}(x):", "chosen": f"    return x + {i}",
-                        "rejected": f"    pass  # {i}"})  # fmt: skip
-        else:
-            user = {"role": "user", "content": f"Is {i} even?"}
-            out.append({"chosen": [user, {"role": "assistant", "content": "yes " * (i % 5 + 1)}],
-                        "rejected": [user, {"role": "assistant", "content": "no"}]})  # fmt: skip
-    return out
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="module")
-def pairs(tiny_data, tmp_path_factory) -> dict:
-    """Preference data from `pair_rows(48)`, 64-token sequences, and the tokenizer."""
-    base = tmp_path_factory.mktemp("pairs")
-    tok = chat_tokenizer(tiny_data, base / "tokenizer")
-    src = write_jsonl(base / "pairs.jsonl", pair_rows(48))
-    out = base / "pref"
-    prepare(src, out, tokenizer=tok, seq_len=SEQ, val_fraction=0.25, progress=False)
-    return {"data": out, "tokenizer": tok, "base": base}
 
 
 def test_pairs_keep_chosen_and_rejected_together_with_only_the_answer_trained(pairs):
@@ -200,6 +169,44 @@ def test_dpo_resumes_bit_for_bit_on_the_stored_reference(resumed):
     assert (resumed["stopped"] / "reference" / "train.npy").read_bytes() == resumed["stored"]
     evals = read_metrics(resumed["ref"], "eval")
     assert {"val_accuracy", "val_margin", "val_rewards_chosen"} <= evals[-1].keys()
+
+
+@pytest.mark.slow
+def test_dpo_resumes_into_a_new_out_on_the_run_it_resumes_reference(pairs, resumed, tmp_path):
+    """One 2-rank launch of 3 steps: the stopped run's step-3 checkpoint starts a fresh --out,
+    which reads the reference log-probs that run stored (checked by their checksum), keeps a
+    copy in its own folder, and follows the uninterrupted run bit for bit."""
+    new, source = tmp_path / "new", resumed["stopped"] / "reference"
+    step3 = resumed["stopped"] / "checkpoints" / "step_00000003"
+    p = launch(["--data", str(pairs["data"]), "--out", str(new), "--model", "tiny", *RUN,
+                "--resume", str(step3)])  # fmt: skip
+    assert f"train: 36 read back from {source}" in p.stdout
+    keys = ("loss", "rewards_chosen", "accuracy", "grad_norm")
+    assert [[r[k] for k in keys] for r in read_metrics(new)] == [
+        [r[k] for k in keys] for r in read_metrics(resumed["ref"]) if r["step"] > 3
+    ]
+    assert (new / "reference" / "train.npy").read_bytes() == resumed["stored"]
+    assert (new / "reference" / "val.json").read_text() == (source / "val.json").read_text()
+
+
+def test_stored_reference_is_refused_when_missing_changed_or_of_other_data(pairs, tmp_path):
+    from training.errors import CheckpointError
+    from training.objectives import reference
+
+    ds, val = (PairDataset(pairs["data"], s, SEQ) for s in ("train", "val"))
+    folder = tmp_path / "reference"
+    with pytest.raises(CheckpointError, match="train.npy is missing: .* start the run afresh"):
+        reference.read_back(folder, "train", ds)
+    stored = -np.arange(2.0 * len(ds)).reshape(-1, 2)
+    reference._store(folder, "train", stored, reference._fingerprint(ds))
+    assert np.array_equal(reference.read_back(folder, "train", ds), stored)
+    with pytest.raises(CheckpointError, match="computed on other data"):
+        reference.read_back(folder, "train", val)
+    changed = stored.copy()
+    changed[3, 1] += 1e-9
+    np.save(folder / "train.npy", changed)
+    with pytest.raises(CheckpointError, match="does not match the checksum in train.json"):
+        reference.read_back(folder, "train", ds)
 
 
 @pytest.mark.slow

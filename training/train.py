@@ -298,14 +298,14 @@ def use_preference(config: RunConfig, engine: Engine, train_ds, val_ds, started)
     back on a resume (training/objectives/reference.py)."""
     from training.objectives import reference
 
-    objective = config.optim.objective
+    objective, resume = config.optim.objective, started.resume
     reference.attach(
         engine,
         {"train": train_ds, "val": val_ds},
         Path(config.out),
         kind="dpo" if objective == "auto" else objective,
         beta=config.optim.dpo_beta,
-        resumed=started.resume is not None,
+        resumed_from=None if resume is None else reference.source_folder(resume.root),
         micro_batch=started.prepared.micro_batch,
         device=started.dist.device,
         is_main=started.dist.is_main,

@@ -61,6 +61,52 @@ def _fingerprint(dataset) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _checksum(reference: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(reference, dtype=np.float64).tobytes()).hexdigest()
+
+
+def _store(folder: Path, split: str, reference: np.ndarray, fingerprint: str) -> None:
+    """Write a split's reference log-probs and what they belong to (rank 0 only)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{split}.npy"
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, reference)
+    os.replace(tmp, path)
+    info = {"fingerprint": fingerprint, "pairs": len(reference), "sha256": _checksum(reference)}
+    (folder / f"{split}.json").write_text(json.dumps(info))
+
+
+def source_folder(resumed_root: Path) -> Path:
+    """Where the run a checkpoint root (RUN/checkpoints) belongs to keeps its reference."""
+    run = resumed_root.parent if resumed_root.name == "checkpoints" else resumed_root
+    return run / FOLDER
+
+
+def read_back(source: Path, split: str, dataset) -> np.ndarray:
+    """The reference log-probs the resumed run stored for `split` in `source`, checked against
+    the data (its fingerprint) and against the checksum written with them."""
+    path, info = source / f"{split}.npy", source / f"{split}.json"
+    if not (path.is_file() and info.is_file()):
+        raise CheckpointError(
+            f"{path} is missing: a resumed preference run reads the reference log-probs its "
+            "first launch computed there; keep that run's reference/ folder beside its "
+            "checkpoints, or start the run afresh in a new --out"
+        )
+    meta = json.loads(info.read_text())
+    if meta["fingerprint"] != _fingerprint(dataset):
+        raise CheckpointError(
+            f"{path} was computed on other data than --data {dataset.manifest.data_dir} "
+            f"({split}); resume with the run's own data"
+        )
+    stored = np.load(path)
+    if meta.get("sha256", _checksum(stored)) != _checksum(stored):  # runs before checksums: none
+        raise CheckpointError(
+            f"{path} does not match the checksum in {info.name}: the stored reference "
+            "log-probs were changed or damaged; restore them, or start afresh in a new --out"
+        )
+    return stored
+
+
 def attach(
     engine,
     datasets: dict,
@@ -68,39 +114,31 @@ def attach(
     *,
     kind: str,
     beta: float,
-    resumed: bool,
+    resumed_from: Path | None,
     micro_batch: int,
     device,
     is_main: bool,
 ) -> None:
     """Set the engine's objective to the preference loss and give each split (`datasets`: name
-    -> PairDataset) its reference log-probs: computed now on a fresh run (and written by rank 0),
-    read back on a resume. The objective's `note` says which (the run's banner shows it)."""
+    -> PairDataset) its reference log-probs: computed now on a fresh run, read back on a resume
+    from `resumed_from` (the reference folder of the run the checkpoint belongs to: this one,
+    or another whose checkpoint starts this --out, into which rank 0 then copies them). The
+    objective's `note` says which (the run's banner shows it)."""
     folder = Path(run_dir) / FOLDER
     said = []
     for split, ds in datasets.items():
-        path, info = folder / f"{split}.npy", folder / f"{split}.json"
-        if resumed:
-            if not (path.is_file() and info.is_file()):
-                raise CheckpointError(
-                    f"{path} is missing: a resumed preference run reads the reference log-probs "
-                    "its first launch computed; start the run afresh in a new --out"
-                )
-            if json.loads(info.read_text())["fingerprint"] != _fingerprint(ds):
-                raise CheckpointError(
-                    f"{path} was computed on other data than --data {ds.manifest.data_dir} "
-                    f"({split}); resume with the run's own data"
-                )
-            ds.reference = np.load(path)
-            said.append(f"{split}: {len(ds)} read back")
+        if resumed_from is not None:
+            ds.reference = read_back(resumed_from, split, ds)
+            copied = resumed_from.resolve() != folder.resolve()
+            if is_main and copied:
+                _store(folder, split, ds.reference, _fingerprint(ds))
+            said.append(
+                f"{split}: {len(ds)} read back" + (f" from {resumed_from}" if copied else "")
+            )
             continue
         ds.reference = compute(engine, ds, micro_batch, device)
         if is_main:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp.npy")
-            np.save(tmp, ds.reference)
-            os.replace(tmp, path)
-            info.write_text(json.dumps({"fingerprint": _fingerprint(ds), "pairs": len(ds)}))
+            _store(folder, split, ds.reference, _fingerprint(ds))
         said.append(f"{split}: {len(ds)} computed")
     engine.objective = PreferenceLoss(kind, beta)
     engine.objective.note = f"reference log-probs of the starting model: {', '.join(said)}"
