@@ -100,6 +100,74 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("kind") == kind]
 
 
+def loss_at(run_dir: Path, step: int) -> float:
+    return next(r["loss"] for r in read_metrics(run_dir) if r["step"] == step)
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    from training.checkpoints import layout
+
+    return Path(run_dir) / "checkpoints" / layout.tag_for(step)
+
+
+STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def checkpoint_states(folder: Path) -> dict:
+    """{name: ({fp32, exp_avg, exp_avg_sq}: full tensors, step)} of a ZeRO or universal folder,
+    under the model's parameter names (a pipeline checkpoint's are renamed)."""
+    from functools import partial
+
+    import torch
+
+    from training.checkpoints.universal_copy import model_name
+    from training.checkpoints.zero_files import ZeroFiles
+
+    if (folder / "zero").is_dir():
+        load = partial(torch.load, weights_only=False)
+        return {
+            d.name: (
+                {k: load(d / f"{k}.pt")["param"] for k in STATE_KEYS},
+                float(load(d / "step.pt")),
+            )
+            for d in (folder / "zero").iterdir()
+            if d.is_dir()
+        }
+    pipelined = any(folder.glob("layer_*-model_states.pt"))
+    return {
+        (model_name(name, s.shape) if pipelined else name): (s, float(step))
+        for name, s, step in ZeroFiles(folder).params()
+    }
+
+
+def assert_same_state(a: Path, b: Path, tol: float | dict = 1e-5) -> None:
+    """Two checkpoints' weights and Adam moments, parameter by parameter. tol: the largest
+    relative difference, or {fp32|exp_avg|exp_avg_sq: that}."""
+    sa, sb = checkpoint_states(a), checkpoint_states(b)
+    assert sa.keys() == sb.keys()
+    for name, (ta, step_a) in sa.items():
+        tb, step_b = sb[name]
+        assert step_a == step_b, (name, step_a, step_b)
+        for key in STATE_KEYS:
+            x, y = ta[key], tb[key]
+            assert x.shape == y.shape, (name, key, x.shape, y.shape)
+            rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+            assert rel <= (tol[key] if isinstance(tol, dict) else tol), (name, key, rel)
+
+
+def ds_variant(tmp: Path, name: str, base: str, **changes) -> list[str]:
+    """--ds_config for a shipped config with top-level keys changed (None drops a key)."""
+    cfg = json.loads((REPO / "ds_configs" / base).read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path = Path(tmp) / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return ["--ds_config", str(path)]
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A real corpus (a slice of the Python standard library) tokenized with a small trained

@@ -13,17 +13,23 @@ wrong order or a gate and up projection swapped."""
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RUN, launch, read_metrics
+from conftest import (
+    TINY_RUN,
+    assert_same_state,
+    checkpoint_states,
+    launch,
+    loss_at,
+    read_metrics,
+    step_dir,
+)
 from safetensors.torch import load_file
 from test_moe_training import assert_exports_as_mixtral
 
 from training.checkpoints import layout as ckpt
 from training.checkpoints.universal_copy import Topology, plan
-from training.checkpoints.zero_files import STATE_KEYS, ZeroFiles
 from training.errors import CheckpointError
 
 pytestmark = pytest.mark.slow
@@ -31,30 +37,6 @@ pytestmark = pytest.mark.slow
 MOE = [a if a != "tiny" else "tiny-moe" for a in TINY_RUN] + ["--steps", "4", "--peak-tflops", "1"]
 EP2 = ["--ds_config", "ds_configs/moe_ep2.json"]
 BF16_STEP = {"fp32": 1e-3, "exp_avg": 2e-2, "exp_avg_sq": 2e-2}  # as tests/test_universal.py
-
-
-def step_dir(run: Path, step: int) -> Path:
-    return run / "checkpoints" / ckpt.tag_for(step)
-
-
-def loss_at(run: Path, step: int) -> float:
-    return next(r["loss"] for r in read_metrics(run) if r["step"] == step)
-
-
-def states(folder: Path) -> dict:
-    return {name: (s, float(step)) for name, s, step in ZeroFiles(folder).params()}
-
-
-def assert_same_state(a: Path, b: Path, tol: float | dict) -> None:
-    sa, sb = states(a), states(b)
-    assert sa.keys() == sb.keys()
-    for name, (ta, step_a) in sa.items():
-        tb, step_b = sb[name]
-        assert ta.shape == tb.shape and step_a == step_b, (name, ta.shape, tb.shape)
-        for key in STATE_KEYS:
-            x, y = ta[key], tb[key]
-            rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
-            assert rel <= (tol[key] if isinstance(tol, dict) else tol), (name, key, rel)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +63,7 @@ def test_ep2_resumes_exactly_on_ep2(ep_runs):
     assert loss_at(exact, 3) == loss_at(ref, 3)  # bitwise on CPU
     assert_same_state(step_dir(ref, 3), step_dir(exact, 3), tol=0)
     # each rank's files hold its own 2 of the 4 experts; read back, all 4 under our names
-    s = states(step_dir(ref, 3))
+    s = checkpoint_states(step_dir(ref, 3))
     assert s["layers.0.feed_forward.experts.gate_up_proj"][0].shape == (4, 176, 64)
     assert "layers.0.feed_forward.gate.weight" in s
 

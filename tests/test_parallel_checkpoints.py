@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import launch, read_metrics
+from conftest import assert_same_state, launch, loss_at, read_metrics, step_dir
 from transformers import AutoModelForCausalLM
 
 from data import BatchLoader
@@ -31,7 +31,6 @@ from data.mixture import open_split
 from training.checkpoints import layout as ckpt
 from training.checkpoints.hf_export import export_report
 from training.checkpoints.universal_copy import Topology, plan
-from training.checkpoints.zero_files import STATE_KEYS, ZeroFiles
 from training.errors import CheckpointError
 
 ARGS = [
@@ -47,30 +46,6 @@ BF16_STEP = {"fp32": 1e-3, "exp_avg": 2e-2, "exp_avg_sq": 2e-2}  # as tests/test
 def run(data, out, *extra, nproc=2):
     p = launch(["--data", str(data), "--out", str(out), *ARGS, *extra], nproc=nproc)
     return p.stdout + p.stderr
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / ckpt.tag_for(step)
-
-
-def loss_at(run_dir: Path, step: int) -> float:
-    return next(r["loss"] for r in read_metrics(run_dir) if r["step"] == step)
-
-
-def states(folder: Path) -> dict:
-    return {name: (s, float(step)) for name, s, step in ZeroFiles(folder).params()}
-
-
-def assert_same_state(a: Path, b: Path, tol: float | dict) -> None:
-    sa, sb = states(a), states(b)
-    assert sa.keys() == sb.keys()
-    for name, (ta, step_a) in sa.items():
-        tb, step_b = sb[name]
-        assert ta.shape == tb.shape and step_a == step_b, (name, ta.shape, tb.shape)
-        for key in STATE_KEYS:
-            x, y = ta[key], tb[key]
-            rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
-            assert rel <= (tol[key] if isinstance(tol, dict) else tol), (name, key, rel)
 
 
 @pytest.fixture(scope="module")

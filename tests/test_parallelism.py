@@ -8,25 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, TINY_RUN, launch, read_metrics, refused
+from conftest import TINY_RUN, ds_variant, launch, read_metrics, refused
 
 STEPS = ["--steps", "10", "--save-every", "-1"]
 SHAPES = "tests/scripts/shapes_train.py"
 TP2 = ["--ds_config", "ds_configs/tp2.json"]
 SP2 = ["--ds_config", "ds_configs/sp2.json"]
-
-
-def variant(tmp, name: str, base: str, **changes) -> list[str]:
-    """--ds_config for a shipped config with top-level keys changed (None drops a key)."""
-    cfg = json.loads((REPO / "ds_configs" / base).read_text())
-    for key, value in changes.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    return ["--ds_config", str(path)]
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +28,10 @@ def runs(tiny_data, tmp_path_factory):
         "tp2": (2, ["--ds_config", "ds_configs/tp2.json"]),
         "sp2": (2, ["--ds_config", "ds_configs/sp2.json"]),
         "one_fp32": (1, ["--ds_config", "ds_configs/fp32.json"]),
-        "tp2_fp32": (2, variant(base, "tp2_fp32", "tp2.json", **fp32)),
+        "tp2_fp32": (2, ds_variant(base, "tp2_fp32", "tp2.json", **fp32)),
         "sp2_z3_fp32": (
             2,
-            variant(
+            ds_variant(
                 base,
                 "sp2_z3",
                 "sp2.json",
@@ -193,22 +180,22 @@ def test_world_not_divisible_by_the_layout_is_refused(capsys, monkeypatch, tmp_p
 
 
 def test_tp_with_sp_with_pipeline_or_zero3_is_refused(capsys, monkeypatch, tmp_path, base):
-    both = variant(tmp_path, "both", "tp2.json", sequence_parallel_size=2)
+    both = ds_variant(tmp_path, "both", "tp2.json", sequence_parallel_size=2)
     err = refused(capsys, monkeypatch, tmp_path, [*base, *both], world=4)
     assert "do not compose" in err
-    piped = variant(tmp_path, "piped", "pipeline.json", sequence_parallel_size=2)
+    piped = ds_variant(tmp_path, "piped", "pipeline.json", sequence_parallel_size=2)
     err = refused(capsys, monkeypatch, tmp_path, [*base, *piped], world=4)
     assert "sequence_parallel_size with pipeline.stages > 1" in err
-    z3 = variant(tmp_path, "z3", "tp2.json", zero_optimization={"stage": 3})
+    z3 = ds_variant(tmp_path, "z3", "tp2.json", zero_optimization={"stage": 3})
     err = refused(capsys, monkeypatch, tmp_path, [*base, *z3])
     assert "tensor_parallel with ZeRO-3" in err
 
 
 def test_heads_and_sequence_that_do_not_divide_are_refused(capsys, monkeypatch, tmp_path, base):
-    tp3 = variant(tmp_path, "tp3", "tp2.json", tensor_parallel={"autotp_size": 3})
+    tp3 = ds_variant(tmp_path, "tp3", "tp2.json", tensor_parallel={"autotp_size": 3})
     err = refused(capsys, monkeypatch, tmp_path, [*base, *tp3], world=3)
     assert "autotp_size=3 does not divide the model's num_attention_heads=4" in err
-    sp3 = variant(tmp_path, "sp3", "sp2.json", sequence_parallel_size=3)
+    sp3 = ds_variant(tmp_path, "sp3", "sp2.json", sequence_parallel_size=3)
     err = refused(capsys, monkeypatch, tmp_path, [*base, *sp3, "--seq-len", "63"], world=3)
     assert "sequence_parallel_size=3 does not divide the model's num_attention_heads=4" in err
     err = refused(capsys, monkeypatch, tmp_path, [*base, *SP2, "--seq-len", "63"])

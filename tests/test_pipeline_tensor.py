@@ -10,24 +10,11 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY_RUN, launch, read_metrics, refused
+from conftest import TINY_RUN, ds_variant, launch, read_metrics, refused
 
 STEPS = ["--steps", "10", "--grad-accum", "4"]
 COLUMN = ("wq", "wk", "wv", "w1", "w3")  # split along output features (dim 0)
 ROW = ("wo", "w2")  # split along input features (dim 1)
-
-
-def variant(tmp, name: str, base: str, **changes) -> list[str]:
-    """--ds_config for a shipped config with top-level keys changed (None drops a key)."""
-    cfg = json.loads((REPO / "ds_configs" / base).read_text())
-    for key, value in changes.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    return ["--ds_config", str(path)]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +24,8 @@ def runs(tiny_data, tmp_path_factory):
     resumed from its step 5 in another folder. Each 4-rank launch takes minutes on 2 shared
     cores (4 processes, DeepSpeed's start-up and process groups each): hence the slow tier."""
     base = tmp_path_factory.mktemp("pipeline_tensor")
-    pptp = variant(base, "pptp", "pipeline_tp2.json", bf16=None)
-    zero1 = variant(base, "zero1", "zero1.json", bf16=None)
+    pptp = ds_variant(base, "pptp", "pipeline_tp2.json", bf16=None)
+    zero1 = ds_variant(base, "zero1", "zero1.json", bf16=None)
 
     def run(name, cfg, *extra, nproc=4):
         args = ["--data", str(tiny_data), "--out", str(base / name), *TINY_RUN, *STEPS, *cfg]
@@ -188,7 +175,7 @@ def test_pp2_x_tp2_resumes_universally(runs, tiny_data, tmp_path, name):
     nproc, cfg, batch = MOVES[name]
     step5 = runs["pptp"] / "checkpoints" / "step_00000005"
     args = ["--data", str(tiny_data), "--out", str(tmp_path / name), *TINY_RUN, *STEPS, *batch]
-    args += [*variant(tmp_path, name, cfg, bf16=None), "--resume", str(step5)]
+    args += [*ds_variant(tmp_path, name, cfg, bf16=None), "--resume", str(step5)]
     p = launch([*args, "--stop-at", "7", "--save-every", "0"], nproc=nproc, timeout=900)
     assert "universal: saved on 4 ranks, ZeRO-1, 2 tensor-parallel, 2 pipeline stages" in (
         p.stdout + p.stderr
@@ -211,14 +198,14 @@ def test_3d_layouts_that_do_not_divide_are_refused(capsys, monkeypatch, tmp_path
     assert (
         "world size 6 is not divisible by pipeline.stages=2 x tensor_parallel.autotp_size=2" in err
     )
-    tp3 = variant(tmp_path, "tp3", "pipeline_tp2.json", tensor_parallel={"autotp_size": 3})
+    tp3 = ds_variant(tmp_path, "tp3", "pipeline_tp2.json", tensor_parallel={"autotp_size": 3})
     err = refused(capsys, monkeypatch, tmp_path, [*base, *tp3], world=6)
     assert "autotp_size=3 does not divide the model's num_attention_heads=4" in err
-    tp4 = variant(tmp_path, "tp4", "pipeline_tp2.json", tensor_parallel={"autotp_size": 4})
+    tp4 = ds_variant(tmp_path, "tp4", "pipeline_tp2.json", tensor_parallel={"autotp_size": 4})
     err = refused(capsys, monkeypatch, tmp_path, [*base, *tp4], world=8)
     assert "autotp_size=4 does not divide the model's num_key_value_heads=2" in err
     err = refused(capsys, monkeypatch, tmp_path, [*base, *pptp, "--pipeline-stages", "3"], world=6)
     assert "pipeline.stages=3 is more than the model's 2 blocks" in err
-    sp = variant(tmp_path, "sp", "pipeline.json", sequence_parallel_size=2)
+    sp = ds_variant(tmp_path, "sp", "pipeline.json", sequence_parallel_size=2)
     err = refused(capsys, monkeypatch, tmp_path, [*base, *sp], world=4)
     assert "sequence_parallel_size with pipeline.stages > 1" in err

@@ -19,70 +19,35 @@ import os
 import shutil
 import socket
 import subprocess
-from functools import partial
-from pathlib import Path
 
 import pytest
-import torch
-from conftest import UNIVERSAL_ARGS, launch, read_metrics
+from conftest import (
+    UNIVERSAL_ARGS,
+    assert_same_state,
+    checkpoint_states,
+    launch,
+    loss_at,
+    read_metrics,
+    step_dir,
+)
 
 from training.checkpoints import layout as ckpt
 from training.checkpoints import universal_copy
-from training.checkpoints.universal_copy import Topology, ensure, model_name, plan
-from training.checkpoints.zero_files import ZeroFiles
+from training.checkpoints.universal_copy import Topology, ensure, plan
 from training.errors import CheckpointError
 
 pytestmark = pytest.mark.slow  # every test reads real multi-rank runs (resumed_runs, pipeline_runs)
 
-KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def args(data, out, *extra):
     return ["--data", str(data), "--out", str(out), *UNIVERSAL_ARGS, *extra]
 
 
-def step_dir(run: Path, step: int) -> Path:
-    return run / "checkpoints" / ckpt.tag_for(step)
-
-
-def states(folder: Path) -> dict:
-    """{name: ({fp32, exp_avg, exp_avg_sq}: full tensors, step)} of a ZeRO or universal folder,
-    under the model's parameter names (a pipeline checkpoint's are renamed)."""
-    if (folder / "zero").is_dir():
-        load = partial(torch.load, weights_only=False)
-        return {
-            d.name: ({k: load(d / f"{k}.pt")["param"] for k in KEYS}, float(load(d / "step.pt")))
-            for d in (folder / "zero").iterdir()
-            if d.is_dir()
-        }
-    pipelined = any(folder.glob("layer_*-model_states.pt"))
-    return {
-        (model_name(name, s.shape) if pipelined else name): (s, float(step))
-        for name, s, step in ZeroFiles(folder).params()
-    }
-
-
-def assert_same_state(a: Path, b: Path, tol: float | dict = 1e-5):
-    """tol: the largest relative difference, or {fp32|exp_avg|exp_avg_sq: that}."""
-    sa, sb = states(a), states(b)
-    assert sa.keys() == sb.keys()
-    for name, (ta, step_a) in sa.items():
-        tb, step_b = sb[name]
-        assert step_a == step_b, (name, step_a, step_b)
-        for key in KEYS:
-            x, y = ta[key], tb[key]
-            rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
-            assert rel <= (tol[key] if isinstance(tol, dict) else tol), (name, key, rel)
-
-
 def _dead_pid() -> int:
     p = subprocess.Popen(["true"])
     p.wait()
     return p.pid  # exited and reaped: no such process now
-
-
-def loss_at(run: Path, step: int) -> float:
-    return next(r["loss"] for r in read_metrics(run) if r["step"] == step)
 
 
 @pytest.fixture
@@ -261,7 +226,9 @@ def test_pipeline_universal_copy_uses_the_model_names(pipeline_runs, tmp_path):
     ref, run = pipeline_runs["ref"], pipeline_runs["run"]
     u = ref / "checkpoints" / "step_00000003_universal"
     names = {d.name for d in (u / "zero").iterdir() if d.is_dir()}
-    assert names == set(states(step_dir(run, 4)))  # what the unpipelined model calls them
+    assert names == set(
+        checkpoint_states(step_dir(run, 4))
+    )  # what the unpipelined model calls them
     assert {"tok_embeddings.weight", "layers.0.attention.wq.weight", "norm.weight"} <= names
     assert_same_state(step_dir(ref, 3), u, tol=0)  # the pipeline's state, renamed, exactly
     # The sealed copy of this very checkpoint is reused wherever the two travel together.
