@@ -43,23 +43,30 @@ def gather_blocks_whole(model) -> bool:
     return bool(classes)
 
 
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+MUON = "deepspeed.runtime.zero.muon"
 
 
 def stand_in_for_muon(ds_config: dict) -> bool:
-    """In a run whose optimizer is not DeepSpeed's Muon: put a stand-in where DeepSpeed's Muon
-    module goes. DeepSpeed asks "is the optimizer Muon?" in deepspeed.initialize, in its bf16
-    optimizer, in ZeRO-3's set-up and in ZeRO-1/2's first gradient reduction, and each question
-    imports that module, whose torch.compile decorators load inductor: 1-2 s of every start
-    and first step, under --no-compile too. The stand-in's MuonWithAuxAdam has no instances,
-    so each question gets stock's answer for every other optimizer. Returns whether it stands
-    in (not where Muon is the optimizer, already imported, or the patch is off)."""
+    """In a run whose optimizer is not DeepSpeed's Muon: put stand-ins where DeepSpeed's Muon
+    modules go. DeepSpeed asks "is the optimizer Muon?" in deepspeed.initialize, in its bf16
+    optimizer, in ZeRO-3's set-up and in each ZeRO-1/2 gradient reduction, importing those
+    modules on the way, whose torch.compile decorators load inductor: 1-2 s of every start and
+    first step, under --no-compile too. The stand-in's MuonWithAuxAdam has no instances, so each
+    question gets stock's answer for every other optimizer, and its Muon update is never
+    reached. Returns whether it stands in (not where Muon is the optimizer, already imported,
+    or the patch is off)."""
     wanted = str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
-    if wanted or MUON_MODULE in sys.modules or not patches.verified("muon_stand_in"):
+    names = (f"{MUON}.muon_optimizer", f"{MUON}.original_muon")
+    if wanted or any(n in sys.modules for n in names) or not patches.verified("muon_stand_in"):
         return False
-    module = types.ModuleType(MUON_MODULE, "zerostack's stand-in: this run does not use Muon")
-    module.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {"__module__": MUON_MODULE})
-    sys.modules[MUON_MODULE] = module
+    optimizer, update = (types.ModuleType(n, "zerostack's stand-in: no Muon here") for n in names)
+    optimizer.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {"__module__": names[0]})
+
+    def muon_update(*args, **kwargs):
+        raise RuntimeError("DeepSpeed's Muon was not loaded: this run's optimizer is not Muon")
+
+    update.muon_update = muon_update
+    sys.modules.update(zip(names, (optimizer, update)))
     return True
 
 

@@ -92,10 +92,10 @@ PATCHES: dict[str, Patch] = {
         "deepspeed",
         "0.19.8",
         "0.19.8",
-        "engines/ds.py puts a stand-in module (its MuonWithAuxAdam has no instances) where "
-        "DeepSpeed's Muon optimizer module goes, in a run whose optimizer is not Muon; stock: "
-        "DeepSpeed's Muon checks (initialize, bf16 optimizer, ZeRO-3 set-up, ZeRO-1/2's first "
-        "reduction) import Muon, whose torch.compile decorators load inductor",
+        "engines/ds.py puts stand-in modules (a MuonWithAuxAdam with no instances) where "
+        "DeepSpeed's Muon modules go, in a run whose optimizer is not Muon; stock: "
+        "DeepSpeed's Muon checks (initialize, bf16 optimizer, ZeRO-3 set-up, each ZeRO-1/2 "
+        "reduction) import its Muon modules, whose torch.compile decorators load inductor",
         "tests/test_patches.py::test_the_muon_stand_in_trains_as_stock: stock against patched "
         "over ZeRO-1, 2 and 3 steps in bf16, and Muon never imported",
     ),
