@@ -135,31 +135,36 @@ def test_the_swapped_optimizer_workaround_finds_the_bug_it_works_around():
     assert skips_swapped_optimizer_file() is (deepspeed.__version__ == "0.19.8")
 
 
-ZERO_CHECK = """
-import json, os, sys, torch, deepspeed, deepspeed.runtime.engine as e
-from deepspeed.ops.adam import DeepSpeedCPUAdam
-from training.engines.ds import zero_check_without_muon
+MUON_RUN = """
+import json, os, sys, torch, deepspeed
+from training.engines.ds import MUON, stand_in_for_muon
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
 os.environ["MASTER_PORT"] = sys.argv[1]
 deepspeed.init_distributed("gloo")
-p = [torch.nn.Parameter(torch.zeros(2))]
-ours = [torch.optim.AdamW(p), DeepSpeedCPUAdam.__new__(DeepSpeedCPUAdam)]
-with zero_check_without_muon():
-    patched = [e.is_zero_supported_optimizer(o) for o in ours]
-    muon = "deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules
-    patched.append(e.is_zero_supported_optimizer(torch.optim.SGD(p, lr=0.1)))
-stock = [e.is_zero_supported_optimizer(o) for o in [*ours, torch.optim.SGD(p, lr=0.1)]]
-print(json.dumps([patched, muon, stock]))
+losses, stood_in = {}, []
+for stage in (0, 1, 2, 3):
+    config = {"train_batch_size": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage}}
+    if sys.argv[2] == "patched":
+        stood_in.append(stand_in_for_muon(config))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    for _ in range(3):
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.setdefault(stage, []).append(loss.item())
+muon = [n for n, m in sys.modules.items() if n.startswith(MUON + ".") and hasattr(m, "__file__")]
+print(json.dumps([losses, stood_in, muon]))
 """
 
 
-def test_the_zero_check_without_muon_answers_as_stock():
-    """Stock against patched, in a fresh interpreter: the same verdict on the optimizers
-    zerostack builds (torch's AdamW, DeepSpeed's CPU Adam for the offload configs) and on one
-    off DeepSpeed's list (SGD, which goes to the stock check), with Muon never imported for
-    ours."""
+def _muon_run(mode: str) -> list:
     p = subprocess.run(
-        [sys.executable, "-c", ZERO_CHECK, str(free_port())],
+        [sys.executable, "-c", MUON_RUN, str(free_port()), mode],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -167,9 +172,22 @@ def test_the_zero_check_without_muon_answers_as_stock():
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    patched, muon, stock = json.loads(p.stdout.strip().splitlines()[-1])
-    assert patched == stock == [True, True, False]
-    assert not muon
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_muon_stand_in_trains_as_stock():
+    """Stock against patched, each in a fresh interpreter: three bf16 steps under the bf16
+    optimizer (ZeRO-0) and ZeRO-1, 2 and 3 give the same losses bit for bit, stock imports
+    DeepSpeed's Muon modules on the way (the cost the stand-in removes) and the patched run
+    none of them. A run that asks for Muon gets no stand-in."""
+    from training.engines.ds import stand_in_for_muon
+
+    stock_losses, _, stock_muon = _muon_run("stock")
+    patched_losses, stood_in, patched_muon = _muon_run("patched")
+    assert patched_losses == stock_losses
+    assert stood_in == [True, False, False, False]  # once per process
+    assert stock_muon and patched_muon == []  # stand-ins are no files
+    assert not stand_in_for_muon({"optimizer": {"type": "Muon"}})
 
 
 RUN = [*TINY_RUN, "--precision", "fp32", "--steps", "3", "--save-every", "-1"]

@@ -39,7 +39,6 @@ from training.errors import CheckpointError
 pytestmark = pytest.mark.slow  # every test reads real multi-rank runs (resumed_runs, pipeline_runs)
 
 
-
 def args(data, out, *extra):
     return ["--data", str(data), "--out", str(out), *UNIVERSAL_ARGS, *extra]
 

@@ -4,9 +4,10 @@ config."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
+import sys
+import types
 from pathlib import Path
 
 import deepspeed
@@ -42,28 +43,31 @@ def gather_blocks_whole(model) -> bool:
     return bool(classes)
 
 
-@contextlib.contextmanager
-def zero_check_without_muon():
-    """While deepspeed.initialize runs: its ZeRO check of the optimizer's type answers from
-    DeepSpeed's list of supported optimizers without first importing its Muon optimizer, whose
-    import compiles kernels (torch.compile pulls in inductor: 1-2 s of every start, under
-    --no-compile too). The optimizers zerostack builds are on that list; any other optimizer
-    goes to the stock check."""
-    if not patches.verified("zero_check_without_muon"):  # said once at start (preflight)
-        yield
-        return
-    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+MUON = "deepspeed.runtime.zero.muon"
 
-    stock = deepspeed.runtime.engine.is_zero_supported_optimizer
 
-    def check(optimizer) -> bool:
-        return type(optimizer) in ZERO_SUPPORTED_OPTIMIZERS or stock(optimizer)
+def stand_in_for_muon(ds_config: dict) -> bool:
+    """In a run whose optimizer is not DeepSpeed's Muon: put stand-ins where DeepSpeed's Muon
+    modules go. DeepSpeed asks "is the optimizer Muon?" in deepspeed.initialize, in its bf16
+    optimizer, in ZeRO-3's set-up and in each ZeRO-1/2 gradient reduction, importing those
+    modules on the way, whose torch.compile decorators load inductor: 1-2 s of every start and
+    first step, under --no-compile too. The stand-in's MuonWithAuxAdam has no instances, so each
+    question gets stock's answer for every other optimizer, and its Muon update is never
+    reached. Returns whether it stands in (not where Muon is the optimizer, already imported,
+    or the patch is off)."""
+    wanted = str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
+    names = (f"{MUON}.muon_optimizer", f"{MUON}.original_muon")
+    if wanted or any(n in sys.modules for n in names) or not patches.verified("muon_stand_in"):
+        return False
+    optimizer, update = (types.ModuleType(n, "zerostack's stand-in: no Muon here") for n in names)
+    optimizer.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {"__module__": names[0]})
 
-    deepspeed.runtime.engine.is_zero_supported_optimizer = check
-    try:
-        yield
-    finally:
-        deepspeed.runtime.engine.is_zero_supported_optimizer = stock
+    def muon_update(*args, **kwargs):
+        raise RuntimeError("DeepSpeed's Muon was not loaded: this run's optimizer is not Muon")
+
+    update.muon_update = muon_update
+    sys.modules.update(zip(names, (optimizer, update)))
+    return True
 
 
 class DeepSpeedEngine(Engine):
@@ -109,14 +113,14 @@ class DeepSpeedEngine(Engine):
             ds_config = {**ds_config, "gradient_allreduce_op": "sum"}
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
         # from the same parameter groups.
-        with zero_check_without_muon():
-            self.engine, self.optimizer, _, _ = deepspeed.initialize(
-                model=model,
-                optimizer=torch_optimizer,
-                model_parameters=groups if torch_optimizer is None else None,
-                config=ds_config,
-                mpu=self.sequence.mpu if self.sequence else None,
-            )
+        stand_in_for_muon(ds_config)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=torch_optimizer,
+            model_parameters=groups if torch_optimizer is None else None,
+            config=ds_config,
+            mpu=self.sequence.mpu if self.sequence else None,
+        )
         self.tensor_parallel = tp
         self.expert_parallel = parallel.expert_size(ds_config)
         if self.expert_parallel > 1:  # AutoEP replaced the routed MLPs

@@ -88,16 +88,16 @@ PATCHES: dict[str, Patch] = {
         "tests/test_patches.py::test_staged_checkpoint_engine_writes_what_deepspeeds_writes: "
         "stock against patched, and every method DeepSpeed's engine calls on it",
     ),
-    "zero_check_without_muon": Patch(
+    "muon_stand_in": Patch(
         "deepspeed",
         "0.19.8",
         "0.19.8",
-        "engines/ds.py answers DeepSpeed's ZeRO optimizer check (is_zero_supported_optimizer, "
-        "as runtime/engine.py imported it) from its supported list while deepspeed.initialize "
-        "runs, without importing its Muon optimizer; stock: the check imports Muon, whose "
-        "torch.compile decorators load inductor at every start",
-        "tests/test_patches.py::test_the_zero_check_without_muon_answers_as_stock: stock "
-        "against patched on every optimizer zerostack builds and one it does not",
+        "engines/ds.py puts stand-in modules (a MuonWithAuxAdam with no instances) where "
+        "DeepSpeed's Muon modules go, in a run whose optimizer is not Muon; stock: "
+        "DeepSpeed's Muon checks (initialize, bf16 optimizer, ZeRO-3 set-up, each ZeRO-1/2 "
+        "reduction) import its Muon modules, whose torch.compile decorators load inductor",
+        "tests/test_patches.py::test_the_muon_stand_in_trains_as_stock: stock against patched "
+        "over ZeRO-1, 2 and 3 steps in bf16, and Muon never imported",
     ),
 }
 
