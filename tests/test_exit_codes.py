@@ -58,7 +58,9 @@ def test_the_exit_record_is_read_only_for_this_launch(tmp_path):
 def test_launch_scripts_exit_with_the_documented_code(tiny_data, tmp_path, script):
     """Through the script: a bad input ends 2, a SIGTERM to the script 75 (a checkpoint saved),
     and a kill -9 of rank 1 4, with the record naming rank 1 and rank 0 never promising a
-    save it cannot make."""
+    save it cannot make. 30-75 s a script on 2 cores: three launches of the real script, the
+    last waiting out the watchdog's roll call for the killed rank; one test holds all three
+    codes so each script starts its launcher only three times."""
     out = tmp_path / "run"
     run = args(tiny_data, out, steps=400, save_every=3)
 

@@ -32,7 +32,8 @@ def test_plan_matches_measured_model_states(tiny_data, tmp_path):
     """ZeRO 0-3 on 2 ranks, `small` (13M parameters here): the planned parameters + gradients +
     optimizer states + reduce buckets are within 2% of the bytes each rank really holds
     (`engine.state_bytes()`, the count benchmarks/compare reports beside the plan), ZeRO-2 with
-    CPU offload too."""
+    CPU offload too. About 60 s on 2 cores: one 2-rank launch builds an engine of the 13M model
+    for each config in turn, since the plan's counts differ config by config."""
     out = tmp_path / "plan_vs_measured.json"
     launch(
         [str(tiny_data), "small", str(out), *CONFIGS], script="tests/scripts/plan_vs_measured.py"
