@@ -32,7 +32,7 @@ def test_the_plan_has_every_row_and_every_trainer_argv_parses(tmp_path, monkeypa
         "evaluate",
     } <= set(names)
     trains = [c for r in rows for c in r.commands if c.kind == "train"]
-    assert len(trains) == 8 + 1 + 1 + 3  # the engines, quickstart, LoRA, the async row's three
+    assert len(trains) == len(gpu_plan.ENGINES) + 1 + 1 + 3  # engines, quickstart, LoRA, async
     for cmd in trains:
         argv = cmd.argv()
         assert argv[1:3] == ["-m", "torch.distributed.run"] and "training/train.py" in argv
