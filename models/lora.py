@@ -140,16 +140,19 @@ def lora_config(model: nn.Module, spec: LoraSpec, target_modules=None):
     )
 
 
-def apply_lora(model: nn.Module, spec: LoraSpec, seed: int):
+def apply_lora(model: nn.Module, spec: LoraSpec, seed: int, in_base_dtype: bool = False):
     """The model wrapped in peft's PeftModelForCausalLM with fresh adapters, base frozen. The
     adapters' initial values come from `seed` alone, so every rank and every engine (ZeRO-3
-    builds consume the global RNG differently) starts from the same ones."""
+    builds consume the global RNG differently) starts from the same ones. `in_base_dtype`:
+    the adapters take the dtype of the base weights they sit on (for an engine that keeps fp32
+    masters of what it trains, as DeepSpeed does), not peft's fp32, which on a 16-bit base
+    makes every adapted layer keep an fp32 copy of its input for backward."""
     from peft import get_peft_model
 
     config = lora_config(model, spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return get_peft_model(model, config)
+        return get_peft_model(model, config, autocast_adapter_dtype=not in_base_dtype)
 
 
 def is_adapter(name: str) -> bool:

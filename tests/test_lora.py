@@ -64,6 +64,24 @@ def test_default_targets_and_llama_names():
     assert names == ["gate_proj", "q_proj"]
 
 
+@pytest.mark.parametrize("in_base_dtype", [True, False])
+def test_adapters_on_a_16_bit_base_keep_no_fp32_activations(in_base_dtype):
+    """For DeepSpeed (fp32 masters of what it trains), adapters take a bf16 base's dtype, as a
+    ZeRO-3 base is built: peft's fp32 adapters make each adapted layer keep an fp32 copy of
+    its input for backward (twice a bf16 activation's bytes). Other engines keep fp32."""
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=512).to(torch.bfloat16)
+    model = apply_lora(model, LoraSpec(dropout=0.0), seed=0, in_base_dtype=in_base_dtype)
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert trained == {torch.bfloat16 if in_base_dtype else torch.float32}
+    seen = set()  # the dtype of what each lora_A takes in: the layer's input, cast or not
+    for name, m in model.named_modules():
+        if name.endswith("lora_A.default"):
+            m.register_forward_pre_hook(lambda m, args: seen.add(args[0].dtype))
+    model(input_ids=torch.randint(0, 512, (2, 16))).logits.sum().backward()
+    assert seen == {torch.bfloat16 if in_base_dtype else torch.float32}
+
+
 def test_plan_counts_no_gradients_or_optimizer_states_for_frozen_weights():
     cfg = get_config("small", vocab_size=32000)
     full = shape_of_config(cfg, "small")

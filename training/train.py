@@ -218,7 +218,10 @@ def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engi
     if config.model.activation_checkpointing:  # the flag, or the config's section
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.model.lora is not None:  # frozen base, fresh adapters: what the engine trains
-        model = apply_lora(model, config.model.lora, config.optim.seed)
+        # DeepSpeed trains 16-bit weights with fp32 masters: adapters in the base's dtype (a
+        # ZeRO-3 base is built 16-bit; ZeRO-0-2 cast the whole module after this)
+        in_base = config.engine.backend == "deepspeed"
+        model = apply_lora(model, config.model.lora, config.optim.seed, in_base_dtype=in_base)
     compiled = None
     if config.model.compile:  # in place: parameter names and checkpoints are unchanged
         n, what = compile_blocks(model)

@@ -288,13 +288,12 @@ def activation_bytes(
     shape: ModelShape, micro: int, seq_len: int, w: int, ckpt: bool, pairs: bool = False
 ) -> int:
     """A rough count of what backward needs from forward, for one micro-batch (`pairs`: of
-    preference pairs, two sequences each, whose fp32 log-softmax is kept for backward)."""
+    preference pairs, two sequences each; the DPO loss keeps the 16-bit logits and makes their
+    gradient a block of rows at a time, as the next-token loss does: objectives/dpo.py)."""
     tokens = micro * seq_len * (2 if pairs else 1)
     block = tokens * (w * (8 * shape.hidden + 4 * shape.intermediate) + 8 * shape.hidden)
     kept = shape.layers * tokens * w * shape.hidden + block if ckpt else shape.layers * block
     logits = tokens * shape.vocab * (w + 4)  # 16-bit logits and the fp32 loss pass over them
-    if pairs:  # objectives/dpo.py: the fp32 log-softmax and its gradient besides
-        logits += tokens * shape.vocab * 8
     return int(kept + logits)
 
 

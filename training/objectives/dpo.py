@@ -29,14 +29,60 @@ _STATS = ("pairs", "rewards_chosen", "rewards_rejected", "accuracy", "logps_chos
           "logps_rejected", "prefers_chosen")  # fmt: skip
 
 
+CHUNK_ELEMENTS = 1 << 21  # logits upcast at a time: 8 MiB of fp32, whatever the vocabulary
+
+
+class _TargetLogps(torch.autograd.Function):
+    """log p(target) at each position in fp32, from (N, V) logits a block of rows at a time.
+
+    The same numbers as `log_softmax(logits.float()).gather(targets)` and its autograd
+    gradient, but neither the fp32 copy of the logits nor their log-softmax over the
+    vocabulary is ever whole, in forward or backward: what is kept for backward is the logits
+    as they came, and backward makes each block's log-softmax again, forms the gradient
+    (g * (onehot - softmax)) in fp32 and rounds it once to the logits' dtype, as autograd does.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        picked = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for i, block in _blocks(logits):
+            logp = torch.log_softmax(block.float(), dim=-1)
+            picked[i : i + len(block)] = logp.gather(-1, targets[i : i + len(block), None])[:, 0]
+        ctx.save_for_backward(logits, targets)
+        return picked
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        g = grad.float()
+        for i, block in _blocks(logits):
+            gi, ti = g[i : i + len(block), None], targets[i : i + len(block), None]
+            logp = torch.log_softmax(block.float(), dim=-1)
+            onehot = torch.zeros_like(logp).scatter_add_(-1, ti, gi)  # gather's backward
+            # log_softmax's own backward kernel (onehot - softmax * g): autograd's numbers
+            out[i : i + len(block)] = torch._log_softmax_backward_data(
+                onehot, logp, -1, torch.float32
+            )
+        return out, None
+
+
+def _blocks(logits: torch.Tensor):
+    """(first row, block) over (N, V) logits, CHUNK_ELEMENTS at a time."""
+    rows = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    for i in range(0, logits.shape[0], rows):
+        yield i, logits[i : i + rows]
+
+
 def sequence_logps(
     logits: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability of each row's trained targets in fp32, their count): logits
-    (rows, T, V) predict targets (rows, T), IGNORE_INDEX where nothing is trained."""
+    (rows, T, V) predict targets (rows, T), IGNORE_INDEX where nothing is trained. No
+    full-vocabulary fp32 tensor is made (_TargetLogps), in forward or backward."""
     trained = targets != IGNORE_INDEX
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    flat = logits.reshape(-1, logits.shape[-1])
+    picked = _TargetLogps.apply(flat, targets.clamp(min=0).reshape(-1)).view(targets.shape)
     return (picked * trained).sum(-1), trained.sum(-1)
 
 
