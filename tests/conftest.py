@@ -54,11 +54,16 @@ def launch(
     check: bool = True,
     as_shipped: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run `script` under torchrun with `nproc` ranks (a real gloo group on CPU). `as_shipped`:
-    the trainer's defaults as a user gets them (compiled blocks on a CPU included)."""
+    """Run `script` as `nproc` ranks (a real gloo group on CPU): forked from the suite's rank
+    server (tests/forked_ranks.py) where the launch expects success in the suite's own
+    environment, else under torchrun. `as_shipped`: the trainer's defaults as a user gets them
+    (compiled blocks on a CPU included)."""
     program = [script, *train_args(args, script, as_shipped)]
     cmd = launcher_command("torchrun", nproc, program, port=free_port(), python=PY)
-    p, timed_out = run_marked(cmd, cwd=REPO, timeout=timeout, env=env)
+    if check and env is None:
+        p, timed_out = _forked(program, nproc, timeout, cmd)
+    else:
+        p, timed_out = run_marked(cmd, cwd=REPO, timeout=timeout, env=env)
     if timed_out:
         raise AssertionError(
             f"{' '.join(cmd)} timed out after {timeout}s:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
@@ -68,6 +73,25 @@ def launch(
             f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
         )
     return p
+
+
+_SERVER: list = []  # the rank server, started on first use
+
+
+def _forked(program: list[str], nproc: int, timeout: float, cmd: list[str]):
+    """(the run as a CompletedProcess, whether it timed out), its ranks forked by the server."""
+    import tempfile
+
+    from forked_ranks import Server
+
+    if not _SERVER:
+        _SERVER.append(Server())
+    with tempfile.TemporaryDirectory() as tmp:
+        codes, output, timed_out = _SERVER[0].run(
+            program[0], program[1:], nproc, free_port(), Path(tmp) / "rank", timeout
+        )
+    code = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(cmd, code, output, ""), timed_out
 
 
 def shm_has_room(ranks: int = 2) -> bool:

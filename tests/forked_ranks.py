@@ -1,0 +1,147 @@
+"""Ranks forked from a process that has imported the trainer once: how the suite starts its many
+short multi-rank runs whose subject is training rather than launching.
+
+In a short test run each rank spends most of its time importing torch, transformers and
+DeepSpeed (about 4 s a rank on a 2-core CPU, against 1-2 s for the run). Here one server
+process imports them once; each run is `nproc` processes forked from it, each with the
+environment DeepSpeed's launcher gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE,
+MASTER_ADDR, MASTER_PORT) and the script run as __main__: the same gloo groups, engines and
+files as under a launcher. Launching itself (torchrun, deepspeed, the launch scripts, signals
+and exit codes through them) keeps its real launchers, in the tests about it.
+
+    python tests/forked_ranks.py      # the server: one JSON request a line on stdin
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------ the server
+def serve() -> None:
+    """Import what every run imports, then answer requests: {"script", "args", "nproc", "port",
+    "log"} -> a line {"pgid"} once the ranks run, then {"codes"} when they have ended."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever else prints goes to stderr, never into the answers
+    import training.train  # noqa: F401  torch, transformers, DeepSpeed and the trainer
+
+    # fork() copies only the calling thread: a lock held by another would stay held forever
+    assert threading.active_count() == 1, threading.enumerate()
+    for line in sys.stdin:
+        req = json.loads(line)
+        pids = []
+        for rank in range(req["nproc"]):  # one process group: a run that times out dies whole
+            pids.append(_fork_rank({**req, "pgid": pids[0] if pids else 0}, rank))
+            os.setpgid(pids[-1], pids[0])
+        answers.write(json.dumps({"pgid": pids[0]}) + "\n")
+        answers.flush()
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        answers.write(json.dumps({"codes": codes}) + "\n")
+        answers.flush()
+
+
+def _fork_rank(req: dict, rank: int) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        try:
+            os.setpgid(0, req["pgid"])  # the server does it too; whoever comes first
+        except OSError:
+            pass
+        world = req["nproc"]
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(req["port"]),
+        )
+        out = os.open(f"{req['log']}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        script = str(REPO / req["script"])
+        sys.argv = [script, *req["args"]]
+        sys.path.insert(0, str(Path(script).parent))  # as `python script` would
+        import runpy
+
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+# ------------------------------------------------------------------------------ the client
+class Server:
+    """The server process, started on first use and kept for the session."""
+
+    def __init__(self):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def _answer(self, deadline: float) -> dict | None:
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            if not ready:
+                return None
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the rank server ended ({self.proc.poll()})")
+            return json.loads(line)
+
+    def run(
+        self, script: str, args: list[str], nproc: int, port: int, log: Path, timeout: float
+    ) -> tuple[list[int], str, bool]:
+        """(each rank's exit code, what the ranks printed, whether it timed out)."""
+        req = {"script": script, "args": args, "nproc": nproc, "port": port, "log": str(log)}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        started = self._answer(time.monotonic() + 120)
+        deadline = time.monotonic() + timeout
+        done = self._answer(deadline)
+        timed_out = done is None
+        if timed_out:
+            os.killpg(started["pgid"], signal.SIGKILL)
+            done = self._answer(time.monotonic() + 60)
+        output = "".join(_read(Path(f"{log}.{r}")) for r in range(nproc))
+        return done["codes"], output, timed_out
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+if __name__ == "__main__":
+    serve()
