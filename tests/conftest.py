@@ -53,14 +53,16 @@ def launch(
     script: str = "training/train.py",
     check: bool = True,
     as_shipped: bool = False,
+    forked: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run `script` as `nproc` ranks (a real gloo group on CPU): forked from the suite's rank
     server (tests/forked_ranks.py) where the launch expects success in the suite's own
-    environment, else under torchrun. `as_shipped`: the trainer's defaults as a user gets them
+    environment, else (or `forked` False: the test reads torchrun's variables) under torchrun.
+    `as_shipped`: the trainer's defaults as a user gets them
     (compiled blocks on a CPU included)."""
     program = [script, *train_args(args, script, as_shipped)]
     cmd = launcher_command("torchrun", nproc, program, port=free_port(), python=PY)
-    if check and env is None:
+    if forked and check and env is None:
         p, timed_out = _forked(program, nproc, timeout, cmd)
     else:
         p, timed_out = run_marked(cmd, cwd=REPO, timeout=timeout, env=env)

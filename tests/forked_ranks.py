@@ -74,7 +74,6 @@ def _fork_rank(req: dict, rank: int) -> int:
         os.dup2(out, 2)
         script = str(REPO / req["script"])
         sys.argv = [script, *req["args"]]
-        sys.path.insert(0, str(Path(script).parent))  # as `python script` would
         import runpy
 
         runpy.run_path(script, run_name="__main__")

@@ -29,7 +29,7 @@ def test_shm_collectives_on_an_avx2_host_route_float32_only():
     and everything else holds as on an AVX-512 host."""
     if not shm_has_room():
         pytest.skip("/dev/shm cannot hold DeepSpeed's segments here (the route stays off)")
-    r = launch(["level1"], script="tests/scripts/shm_collectives.py")
+    r = launch(["level1"], script="tests/scripts/shm_collectives.py", forked=False)
     out = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("{")))
     assert out["level"] == 1
     _check_routed(out)

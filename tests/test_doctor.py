@@ -12,7 +12,9 @@ from conftest import PY, REPO, launch
 @pytest.mark.slow
 def test_doctor_on_two_ranks_runs_the_collectives(tiny_data, tmp_path):
     r = launch(
-        ["--out", str(tmp_path / "run"), "--data", str(tiny_data)], script="launch/doctor.py"
+        ["--out", str(tmp_path / "run"), "--data", str(tiny_data)],
+        script="launch/doctor.py",
+        forked=False,  # the doctor names the launcher that started it
     )
     out = r.stdout
     assert "zerostack doctor: 2 ranks on 1 host" in out
