@@ -58,8 +58,8 @@ def launch(
     """Run `script` as `nproc` ranks (a real gloo group on CPU): forked from the suite's rank
     server (tests/forked_ranks.py) where the launch expects success in the suite's own
     environment, else (or `forked` False: the test reads torchrun's variables) under torchrun.
-    `as_shipped`: the trainer's defaults as a user gets them
-    (compiled blocks on a CPU included)."""
+    `as_shipped`: the trainer's defaults as a user gets them (compiled blocks on a CPU
+    included)."""
     program = [script, *train_args(args, script, as_shipped)]
     cmd = launcher_command("torchrun", nproc, program, port=free_port(), python=PY)
     if forked and check and env is None:

@@ -42,7 +42,10 @@ def serve() -> None:
         pids = []
         for rank in range(req["nproc"]):  # one process group: a run that times out dies whole
             pids.append(_fork_rank({**req, "pgid": pids[0] if pids else 0}, rank))
-            os.setpgid(pids[-1], pids[0])
+            try:
+                os.setpgid(pids[-1], pids[0])  # the rank does it too; whoever comes first
+            except OSError:
+                pass  # the rank has done it, or has already ended
         answers.write(json.dumps({"pgid": pids[0]}) + "\n")
         answers.flush()
         codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
@@ -57,7 +60,7 @@ def _fork_rank(req: dict, rank: int) -> int:
     code = 1
     try:
         try:
-            os.setpgid(0, req["pgid"])  # the server does it too; whoever comes first
+            os.setpgid(0, req["pgid"])
         except OSError:
             pass
         world = req["nproc"]
@@ -125,12 +128,16 @@ class Server:
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         started = self._answer(time.monotonic() + 120)
+        if started is None:
+            raise RuntimeError("the rank server did not start the ranks within 120 s")
         deadline = time.monotonic() + timeout
         done = self._answer(deadline)
         timed_out = done is None
         if timed_out:
             os.killpg(started["pgid"], signal.SIGKILL)
             done = self._answer(time.monotonic() + 60)
+            if done is None:
+                raise RuntimeError("the ranks outlived a SIGKILL to their process group")
         output = "".join(_read(Path(f"{log}.{r}")) for r in range(nproc))
         return done["codes"], output, timed_out
 
