@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,14 +57,20 @@ def launch(
     forked: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run `script` as `nproc` ranks (a real gloo group on CPU): forked from the suite's rank
-    server (tests/forked_ranks.py) where the launch expects success in the suite's own
-    environment, else (or `forked` False: the test reads torchrun's variables) under torchrun.
-    `as_shipped`: the trainer's defaults as a user gets them (compiled blocks on a CPU
-    included)."""
+    server (tests/forked_ranks.py) where the launch runs in the suite's own environment, or adds
+    only ZEROSTACK_* variables (the trainer and the test scripts read them at run time) or what
+    the server's has already; else, or `forked` False (the test reads torchrun's variables),
+    under torchrun. Either way a failed
+    rank stops the run as torchrun stops it, and `rank_exit_codes` reads what the failed ranks
+    exited with. `as_shipped`: the trainer's defaults as a user gets them (compiled blocks on a
+    CPU included)."""
+    from forked_ranks import SERVER_ENV
+
+    env = env or {}
     program = [script, *train_args(args, script, as_shipped)]
     cmd = launcher_command("torchrun", nproc, program, port=free_port(), python=PY)
-    if forked and check and env is None:
-        p, timed_out = _forked(program, nproc, timeout, cmd)
+    if forked and all(k.startswith("ZEROSTACK_") or SERVER_ENV.get(k) == v for k, v in env.items()):
+        p, timed_out = _forked(program, nproc, timeout, cmd, env)
     else:
         p, timed_out = run_marked(cmd, cwd=REPO, timeout=timeout, env=env)
     if timed_out:
@@ -80,8 +87,9 @@ def launch(
 _SERVER: list = []  # the rank server, started on first use
 
 
-def _forked(program: list[str], nproc: int, timeout: float, cmd: list[str]):
-    """(the run as a CompletedProcess, whether it timed out), its ranks forked by the server."""
+def _forked(program: list[str], nproc: int, timeout: float, cmd: list[str], env=None):
+    """(the run as a CompletedProcess, whether it timed out), its ranks forked by the server;
+    its return code is torchrun's: 1 when a rank failed."""
     import tempfile
 
     from forked_ranks import Server
@@ -89,11 +97,41 @@ def _forked(program: list[str], nproc: int, timeout: float, cmd: list[str]):
     if not _SERVER:
         _SERVER.append(Server())
     with tempfile.TemporaryDirectory() as tmp:
-        codes, output, timed_out = _SERVER[0].run(
-            program[0], program[1:], nproc, free_port(), Path(tmp) / "rank", timeout
+        failures, out, err, timed_out = _SERVER[0].run(
+            program[0], program[1:], nproc, free_port(), Path(tmp) / "rank", timeout, env
         )
-    code = next((c for c in codes if c != 0), 0)
-    return subprocess.CompletedProcess(cmd, code, output, ""), timed_out
+    p = subprocess.CompletedProcess(cmd, 1 if failures else 0, out, err)
+    p.failures = failures
+    return p, timed_out
+
+
+def rank_exit_codes(run: subprocess.CompletedProcess | str) -> list[int]:
+    """What the ranks that failed a run exited with, sorted: as the rank server saw them, or as
+    torchrun's failure summary in the run's output gives them."""
+    if hasattr(run, "failures"):
+        return sorted(run.failures.values())
+    text = run if isinstance(run, str) else run.stdout + run.stderr
+    return sorted(int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", text))
+
+
+# DeepSpeed's compiled ops the slow tier's runs load, in the order they first need them
+SUITE_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder")
+
+
+def pytest_collection_finish(session) -> None:
+    """A session with slow tests builds the ops they load from the start, on idle CPU
+    (tests/scripts/build_ops.py): on a cold extension cache that is about 7 minutes of a
+    2-core machine (async_io alone 4) the tests would otherwise wait for. Never stopped: a
+    build cut short leaves torch's lock behind, which every later load would wait on."""
+    if any(item.get_closest_marker("slow") for item in session.items):
+        subprocess.Popen(
+            [PY, "tests/scripts/build_ops.py", *SUITE_OPS],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def shm_has_room(ranks: int = 2) -> bool:

@@ -25,12 +25,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+STREAMS = ("out", "err")  # each rank's stdout and stderr, as a launcher passes them on
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # what the server adds to its own
 
 
 # ------------------------------------------------------------------------------ the server
 def serve() -> None:
     """Import what every run imports, then answer requests: {"script", "args", "nproc", "port",
-    "log"} -> a line {"pgid"} once the ranks run, then {"codes"} when they have ended."""
+    "log", "env"} -> a line {"pgid"} once the ranks run, then {"codes", "failures"} when they
+    have ended."""
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever else prints goes to stderr, never into the answers
     import training.train  # noqa: F401  torch, transformers, DeepSpeed and the trainer
@@ -48,9 +51,41 @@ def serve() -> None:
                 pass  # the rank has done it, or has already ended
         answers.write(json.dumps({"pgid": pids[0]}) + "\n")
         answers.flush()
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        answers.write(json.dumps({"codes": codes}) + "\n")
+        codes, failures = _watch(pids)
+        answers.write(json.dumps({"codes": codes, "failures": failures}) + "\n")
         answers.flush()
+
+
+def _watch(pids: list[int]) -> tuple[list[int], dict[int, int]]:
+    """Wait for the ranks as torchrun's agent does: it looks every 0.1 s (its
+    --monitor-interval); once a rank has failed, the others get SIGTERM, then SIGKILL 30 s
+    later. Returns every rank's exit code, and those that are not 0 by rank (torchrun's
+    failure summary)."""
+    codes: dict[int, int] = {}
+    kill_at = None
+    while len(codes) < len(pids):
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+        if kill_at is None and any(codes.values()):
+            kill_at = time.monotonic() + 30
+            _signal_live(pids, codes, signal.SIGTERM)
+        elif kill_at is not None and time.monotonic() > kill_at:
+            _signal_live(pids, codes, signal.SIGKILL)
+            kill_at = float("inf")
+        time.sleep(0.1)
+    return [codes[r] for r in range(len(pids))], {r: c for r, c in codes.items() if c}
+
+
+def _signal_live(pids: list[int], codes: dict, sig: int) -> None:
+    for rank, pid in enumerate(pids):
+        if rank not in codes:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 def _fork_rank(req: dict, rank: int) -> int:
@@ -71,10 +106,11 @@ def _fork_rank(req: dict, rank: int) -> int:
             LOCAL_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(req["port"]),
+            **req["env"],
         )
-        out = os.open(f"{req['log']}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
+        for fd, stream in zip((1, 2), STREAMS):
+            log = f"{req['log']}.{rank}.{stream}"
+            os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
         script = str(REPO / req["script"])
         sys.argv = [script, *req["args"]]
         import runpy
@@ -98,7 +134,7 @@ class Server:
     """The server process, started on first use and kept for the session."""
 
     def __init__(self):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **SERVER_ENV}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             [sys.executable, __file__],
@@ -121,10 +157,20 @@ class Server:
             return json.loads(line)
 
     def run(
-        self, script: str, args: list[str], nproc: int, port: int, log: Path, timeout: float
-    ) -> tuple[list[int], str, bool]:
-        """(each rank's exit code, what the ranks printed, whether it timed out)."""
+        self,
+        script: str,
+        args: list[str],
+        nproc: int,
+        port: int,
+        log: Path,
+        timeout: float,
+        env: dict[str, str] | None = None,
+    ) -> tuple[dict[int, int], str, str, bool]:
+        """(the failed ranks' exit codes, what the ranks printed on stdout, on stderr, whether
+        the run timed out). `env`: variables the ranks add to the server's environment; only
+        those read at run time (not at import) take effect."""
         req = {"script": script, "args": args, "nproc": nproc, "port": port, "log": str(log)}
+        req["env"] = env or {}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         started = self._answer(time.monotonic() + 120)
@@ -138,8 +184,8 @@ class Server:
             done = self._answer(time.monotonic() + 60)
             if done is None:
                 raise RuntimeError("the ranks outlived a SIGKILL to their process group")
-        output = "".join(_read(Path(f"{log}.{r}")) for r in range(nproc))
-        return done["codes"], output, timed_out
+        out, err = ("".join(_read(Path(f"{log}.{r}.{s}")) for r in range(nproc)) for s in STREAMS)
+        return {int(r): c for r, c in done["failures"].items()}, out, err, timed_out
 
 
 def _read(path: Path) -> str:

@@ -12,8 +12,8 @@ import os
 import signal
 
 import pytest
-from conftest import TINY_RUN, launch, read_metrics
-from test_reliability import Job, rank_exit_codes
+from conftest import TINY_RUN, launch, rank_exit_codes, read_metrics
+from test_reliability import Job
 
 SHIPPED = [a for a in TINY_RUN if a != "--no-compile"] + ["--compile"]
 STEPS = 8

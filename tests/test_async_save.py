@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, read_metrics
-from test_reliability import Job, args, launch_with_file_limit, rank_exit_codes
+from conftest import launch, rank_exit_codes, read_metrics
+from test_reliability import Job, args, launch_with_file_limit
 
 from training.checkpoints import layout
 from training.checkpoints.background import BackgroundWriter

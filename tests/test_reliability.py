@@ -17,7 +17,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import PY, REPO, TINY_RUN, free_port, launch, read_metrics, shm_has_room
+from conftest import (
+    PY,
+    REPO,
+    TINY_RUN,
+    free_port,
+    launch,
+    rank_exit_codes,
+    read_metrics,
+    shm_has_room,
+)
 
 from launch.launcher_argv import launcher_command
 
@@ -136,11 +145,6 @@ def launch_with_file_limit(train_args: list[str], limit_files) -> str:
         start_new_session=True,
     )
     return p.stdout + p.stderr
-
-
-def rank_exit_codes(output: str) -> list[int]:
-    """What torchrun's failure summary says each rank exited with."""
-    return sorted(int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", output))
 
 
 def final_loss(run: Path) -> float:
@@ -296,7 +300,7 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run(tiny_data, tmp_path):
         script=NAN_TRAIN,
     )
     text = r.stdout + r.stderr
-    assert rank_exit_codes(text) == [3, 3], text[-3000:]
+    assert rank_exit_codes(r) == [3, 3], text[-3000:]
     assert (
         "error: 3 consecutive steps (steps 5-7) had a non-finite loss or gradient norm, so the "
         "run stopped; the last good checkpoint is step_00000004" in text
@@ -434,7 +438,7 @@ def test_a_corrupted_byte_is_found_on_load(tiny_data, reference, tmp_path):
     errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and "refusing to resume from a corrupt checkpoint" in errors[0]
     assert victim.name in errors[0]
-    assert rank_exit_codes(r.stdout + r.stderr) == [2, 2]
+    assert rank_exit_codes(r) == [2, 2]
     assert _snapshot(out) == before
 
     # Resumed automatically: the previous complete checkpoint is used instead, and the run

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import PY, REPO, free_port, launch
-from test_reliability import Job, args, rank_exit_codes
+from conftest import PY, REPO, free_port, launch, rank_exit_codes
+from test_reliability import Job, args
 
 from launch.launcher_argv import launcher_command
 from training.errors import ConfigError
@@ -153,7 +153,7 @@ def test_a_second_launch_on_a_busy_run_folder_is_refused(tiny_data, tmp_path):
         errors = [x for x in second.stderr.splitlines() if x.startswith("error:")]
         assert len(errors) == 1, second.stderr[-3000:]
         assert f"--out {out} is in use by another run (pid {holder} on" in errors[0]
-        assert rank_exit_codes(second.stderr) == [2]
+        assert rank_exit_codes(second) == [2]
         assert hashes(out) == before  # nothing of the first run touched
     finally:
         os.kill(holder, signal.SIGKILL)  # dies holding the lock
