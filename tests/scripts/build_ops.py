@@ -13,11 +13,16 @@ from __future__ import annotations
 import os
 import sys
 
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
-from deepspeed.accelerator import get_accelerator  # noqa: E402
+def build(names: list[str]) -> None:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # before g++ starts: inherited
+    from deepspeed.accelerator import get_accelerator
 
-for name in sys.argv[1:]:
-    builder = get_accelerator().create_op_builder(name)
-    if builder is not None and builder.is_compatible(verbose=False):
-        builder.load(verbose=False)
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+
+
+if __name__ == "__main__":
+    build(sys.argv[1:])
