@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RUN, launch, read_metrics
+from torch.utils.cpp_extension import _get_build_directory
 
 from models import get_config
 from training.runtime.flops import (
@@ -140,8 +141,9 @@ def test_stale_cached_peak_is_ignored(tiny_data, tmp_path):
     cache.write_text(json.dumps({"any": stale}))  # what the old cache held, 10x too low
     out = tmp_path / "run"
     args = ["--data", str(tiny_data), "--out", str(out), *TINY_RUN, "--steps", "3"]
-    # DeepSpeed's built ops stay where they are (a fresh HOME would rebuild them: a minute).
-    ops = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache/torch_extensions")
+    # DeepSpeed's built ops stay where they are (a fresh HOME would rebuild them: a minute): the
+    # folder torch builds in, which is a subfolder of its default root when the variable is unset
+    ops = os.path.dirname(_get_build_directory("deepspeed_shm_comm", verbose=False))
     env = {"HOME": str(home), "TORCH_EXTENSIONS_DIR": ops, "OMP_NUM_THREADS": "1"}
     # The same run profiles steps 2-3 (--profile; one launch serves both checks).
     launch([*args, "--save-every", "-1", "--profile", "2:3"], env=env)
