@@ -60,10 +60,9 @@ def launch(
     server (tests/forked_ranks.py) where the launch runs in the suite's own environment, or adds
     only ZEROSTACK_* variables (the trainer and the test scripts read them at run time) or what
     the server's has already; else, or `forked` False (the test reads torchrun's variables),
-    under torchrun. Either way a failed
-    rank stops the run as torchrun stops it, and `rank_exit_codes` reads what the failed ranks
-    exited with. `as_shipped`: the trainer's defaults as a user gets them (compiled blocks on a
-    CPU included)."""
+    under torchrun. Either way a failed rank stops the run as torchrun stops it, and
+    `rank_exit_codes` reads what the failed ranks exited with. `as_shipped`: the trainer's
+    defaults as a user gets them (compiled blocks on a CPU included)."""
     from forked_ranks import SERVER_ENV
 
     env = env or {}

@@ -32,8 +32,8 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # what the serve
 # ------------------------------------------------------------------------------ the server
 def serve() -> None:
     """Import what every run imports, then answer requests: {"script", "args", "nproc", "port",
-    "log", "env"} -> a line {"pgid"} once the ranks run, then {"codes", "failures"} when they
-    have ended."""
+    "log", "env"} -> a line {"pgid"} once the ranks run, then {"failures"} when they have
+    ended."""
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever else prints goes to stderr, never into the answers
     import training.train  # noqa: F401  torch, transformers, DeepSpeed and the trainer
@@ -51,16 +51,14 @@ def serve() -> None:
                 pass  # the rank has done it, or has already ended
         answers.write(json.dumps({"pgid": pids[0]}) + "\n")
         answers.flush()
-        codes, failures = _watch(pids)
-        answers.write(json.dumps({"codes": codes, "failures": failures}) + "\n")
+        answers.write(json.dumps({"failures": _watch(pids)}) + "\n")
         answers.flush()
 
 
-def _watch(pids: list[int]) -> tuple[list[int], dict[int, int]]:
+def _watch(pids: list[int]) -> dict[int, int]:
     """Wait for the ranks as torchrun's agent does: it looks every 0.1 s (its
     --monitor-interval); once a rank has failed, the others get SIGTERM, then SIGKILL 30 s
-    later. Returns every rank's exit code, and those that are not 0 by rank (torchrun's
-    failure summary)."""
+    later. Returns the exit codes that are not 0, by rank (torchrun's failure summary)."""
     codes: dict[int, int] = {}
     kill_at = None
     while len(codes) < len(pids):
@@ -76,7 +74,7 @@ def _watch(pids: list[int]) -> tuple[list[int], dict[int, int]]:
             _signal_live(pids, codes, signal.SIGKILL)
             kill_at = float("inf")
         time.sleep(0.1)
-    return [codes[r] for r in range(len(pids))], {r: c for r, c in codes.items() if c}
+    return {r: c for r, c in codes.items() if c}
 
 
 def _signal_live(pids: list[int], codes: dict, sig: int) -> None:
