@@ -5,6 +5,7 @@ to the losses of a run whose data never had it."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -165,3 +166,65 @@ def test_the_guards_history_resumes_from_a_checkpoint_exactly():
     assert sorted(map(tuple, zip(*narrow.state_dict()["history"]))) == sorted(
         map(tuple, zip(*fed_narrow.state_dict()["history"]))
     )
+
+
+def test_a_history_kept_summed_over_micro_batches_is_read_as_their_mean():
+    """A checkpoint whose guard kept each step's loss summed over its micro-batches (written
+    before the history kept their mean) resumes on the mean's scale: its loss row divided by
+    the accumulation the trainer state says it ran with."""
+    from training.engines.spike_guard import LOSS_SCALE, SpikeGuard
+    from training.loop.restore import _guard_state
+
+    kept = SpikeGuard(6.0, 16, 8, torch.device("cpu"))
+    _fed(kept, range(12), seed=0)
+    saved = json.loads(json.dumps(kept.state_dict()))
+    assert saved["loss"] == LOSS_SCALE
+    old = {k: v for k, v in saved.items() if k != "loss"}
+    old["history"] = [[3 * v for v in old["history"][0]], old["history"][1]]
+    # 2 ranks x micro 2 x accumulation 3 = 12: the old row is 3 times the mean
+    trainer = {"spike_guard": old, "world": 2, "micro_batch": 2, "global_batch": 12}
+    resumed = SpikeGuard(6.0, 16, 8, torch.device("cpu"))
+    resumed.load_state_dict(_guard_state(trainer))
+    assert torch.allclose(resumed.history, kept.history, rtol=1e-15, atol=0)
+    assert _guard_state({**trainer, "spike_guard": saved}) == saved  # kept as the mean: as is
+
+
+@pytest.mark.slow
+def test_a_run_resumed_on_another_layout_is_judged_and_rolled_back_as_the_unbroken_run(
+    tiny_data, tmp_path
+):
+    """2 ranks (ZeRO-2, accumulation 1) stop after step 6; the same folder resumes on 1 rank
+    with accumulation 2 (the same global batch, through the universal copy) with its spike
+    guard warm. The resumed steps are judged on the same scale as before (no step of the clean
+    resume is a spike, and its losses follow the unbroken 2-rank run), and a poisoned step rolls
+    the run back to the 2-rank checkpoint through its universal copy, to the losses of a resume
+    that skipped the poisoned samples from the start. Five short launches (near a minute)."""
+    env, span = poison_env(tiny_data, 9)
+    common = ["--steps", "12", "--save-every", "6", "--spike-window", "8", "--keep-last", "0"]
+    one_rank = ["--grad-accum", "2", "--rollback-after", "1"]
+    unbroken = tmp_path / "unbroken"
+    launch(run_args(tiny_data, unbroken, *common))
+    first = tmp_path / "first"
+    launch(run_args(tiny_data, first, *common, "--stop-at", "6"))
+    clean, hit = tmp_path / "clean", tmp_path / "hit"
+    shutil.copytree(first, clean)
+    shutil.copytree(first, hit)
+
+    launch(run_args(tiny_data, clean, *common, *one_rank), nproc=1, script=SPIKE_TRAIN)
+    assert not read_metrics(clean, "spike") and not read_metrics(clean, "rollback")
+    ref, resumed = last_losses(unbroken), last_losses(clean)
+    for step in range(7, 13):
+        assert abs(resumed[step] - ref[step]) <= 1e-3 * ref[step], (step, resumed, ref)
+
+    launch(run_args(tiny_data, hit, *common, *one_rank), nproc=1, env=env, script=SPIKE_TRAIN)
+    (spike,) = read_metrics(hit, "spike")
+    assert spike["step"] == 9
+    (back,) = read_metrics(hit, "rollback")
+    assert (back["to_step"], back["checkpoint"]) == (6, "step_00000006")
+    assert back["skipped_samples"] == [list(span)]
+    skipped = tmp_path / "skipped"
+    shutil.copytree(first, skipped)
+    skip = f"{span[0]}:{span[1]}"
+    launch(run_args(tiny_data, skipped, *common, *one_rank, "--skip-samples", skip), nproc=1)
+    after = {s: v for s, v in last_losses(hit).items() if s > 6}
+    assert after == {s: v for s, v in last_losses(skipped).items() if s > 6}

@@ -34,6 +34,19 @@ DEEPSPEED_NORM_CHECKS = (
     "deepspeed.runtime.fp16.unfused_optimizer",
 )
 CHECK_NAME = "is_invalid_grad_norm"
+# What the history's loss row holds, saved with it: a step's mean micro-batch loss (the same on
+# any world size or accumulation with the same global batch).
+LOSS_SCALE = "micro-batch mean"
+
+
+def saved_accumulation(trainer_state: dict) -> int:
+    """The gradient accumulation a checkpoint's run stepped with, from its trainer state."""
+    model_parallel = 1
+    for key in ("pipeline_stages", "tensor_parallel", "sequence_parallel"):
+        model_parallel *= int(trainer_state.get(key) or 1)
+    replicas = max(1, int(trainer_state.get("world", 1)) // model_parallel)
+    micro = int(trainer_state.get("micro_batch") or 1)
+    return max(1, int(trainer_state.get("global_batch") or micro * replicas) // (micro * replicas))
 
 
 class SpikeGuard:
@@ -58,8 +71,9 @@ class SpikeGuard:
         self._work = None
 
     def begin(self, step_loss: torch.Tensor) -> None:
-        """The step's summed micro-batch loss on this rank; its mean over the ranks is judged.
-        All ranks call. The all-reduce of that one number is started here and waited for when
+        """The step's mean micro-batch loss on this rank; its mean over the ranks is judged (a
+        figure that the world size and the accumulation leave alone, so a history carried across
+        a resume on another layout still describes the steps after it). All ranks call. The all-reduce of that one number is started here and waited for when
         the engine gives its norm: it runs beside the engine's step instead of before it."""
         loss = step_loss.detach().to(torch.float64).reshape(()).clone()
         self._work = None
@@ -115,16 +129,25 @@ class SpikeGuard:
     def state_dict(self) -> dict:
         """The accepted history, for a checkpoint's trainer state (plain numbers: JSON keeps
         float64 exactly). Read on the host, so only when saving."""
-        return {"window": self.window, "count": int(self.count), "history": self.history.tolist()}
+        return {
+            "window": self.window,
+            "count": int(self.count),
+            "history": self.history.tolist(),
+            "loss": LOSS_SCALE,
+        }
 
     def load_state_dict(self, saved: dict | None) -> None:
         """The history a checkpoint saved, so a resumed run judges its next steps as the run
         that never stopped would. Another --spike-window keeps the newest accepted steps that
         fit, oldest first; None (a checkpoint from before the guard kept its history, or saved
-        with the guard off) leaves the guard to warm up again."""
+        with the guard off) leaves the guard to warm up again. A history whose loss row is
+        summed over the micro-batches of a step (checkpoints written before it kept the mean)
+        comes with `summed_over`, the accumulation it was summed over, and is divided by it."""
         if not saved:
             return
         history = torch.tensor(saved["history"], dtype=torch.float64, device=self.device)
+        if saved.get("loss") != LOSS_SCALE:
+            history[0] /= int(saved["summed_over"])
         count, window = int(saved["count"]), int(saved["window"])
         if window == self.window:
             self.history.copy_(history)

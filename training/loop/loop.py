@@ -227,7 +227,7 @@ def _judged(loader, grad_accum: int, guard, step_loss) -> tuple[int, int]:
     engine; None: off) judges the step's loss. Returns the [start, end) global samples the step
     read (the reader's position is their end)."""
     if guard is not None:
-        guard.begin(step_loss)
+        guard.begin(step_loss / grad_accum)  # the mean micro-batch loss: no layout in it
     end = loader.consumed_samples
     return end - loader.micro_batch * loader.world * grad_accum, end
 

@@ -8,6 +8,7 @@ import pickle
 from training.checkpoints import layout
 from training.checkpoints.resume_plan import ResumePlan
 from training.engines.base import Engine
+from training.engines.spike_guard import LOSS_SCALE, saved_accumulation
 from training.errors import CheckpointError
 from training.loop.loop import LoopState
 from training.runtime import safe_load
@@ -35,5 +36,14 @@ def restore(plan: ResumePlan, engine: Engine, loader, rank: int, world: int) -> 
         saved.get("nonfinite", 0),
         dict(saved.get("skipped_by", {})),
         saved.get("rollbacks", 0),
-        saved.get("spike_guard"),
+        _guard_state(saved),
     )
+
+
+def _guard_state(saved: dict) -> dict | None:
+    """The spike guard's history as the checkpoint kept it, with the accumulation its loss row
+    was summed over where it was kept summed."""
+    guard = saved.get("spike_guard")
+    if not guard or guard.get("loss") == LOSS_SCALE:
+        return guard
+    return {**guard, "summed_over": saved_accumulation(saved)}

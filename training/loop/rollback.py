@@ -11,8 +11,11 @@ import json
 from pathlib import Path
 
 from training.checkpoints import layout
+from training.checkpoints.resume_plan import ResumePlan
+from training.checkpoints.universal_copy import Topology
 from training.errors import Diverged
-from training.runtime import hang, safe_load
+from training.loop.restore import restore
+from training.runtime import hang
 
 RECORD = "skipped_data.json"
 
@@ -34,12 +37,15 @@ class Rollback:
         run_dir: Path,
         is_main: bool,
         guard=None,
+        resumed: ResumePlan | None = None,
     ):
         self.after, self.window, self.limit = after, window, limit
         self.engine, self.loader, self.root = engine, loader, Path(root)
         self.rank, self.world, self.run_dir, self.is_main = rank, world, Path(run_dir), is_main
         self.troubles: list[tuple[int, tuple[int, int]]] = []  # (step, its [start, end) samples)
         self.guard = guard  # engines/spike_guard.py's history goes back with the weights
+        # how the run's resume loaded its checkpoint: a rollback to that one loads it alike
+        self.resumed = resumed
 
     def note(self, state, trouble: bool, span: tuple[int, int], saver, logger) -> bool:
         """Step `state.step`, which read global samples `span`, was skipped for `trouble` (a
@@ -91,17 +97,26 @@ class Rollback:
         return True
 
     def _reload(self, state, tag: str) -> None:
-        saved = layout.load_trainer_state(self.root, tag)
-        with safe_load.weights_only():
-            self.engine.load(self.root, tag)
-        self.loader.load_state_dict(saved["data"])  # keeps the spans it skips already
-        rngs = saved.get("rng", [])
-        if saved.get("world") == self.world and self.rank < len(rngs):
-            layout.set_rng_state(rngs[self.rank])
+        """Back to checkpoint `tag` through the resume's own path (loop/restore.py), so one
+        written on another world size, stage or layout loads through its universal copy."""
+        back = restore(self._plan(tag), self.engine, self.loader, self.rank, self.world)
         # the counters of skipped steps keep what happened; the rest is the checkpoint's
-        state.step, state.tokens = saved["step"], saved["tokens"]
+        state.step, state.tokens = back.step, back.tokens
         if self.guard is not None:  # judged from here as it was at the checkpoint
-            self.guard.load_state_dict(saved.get("spike_guard"))
+            self.guard.load_state_dict(back.guard)
+
+    def _plan(self, tag: str) -> ResumePlan:
+        """How checkpoint `tag` of the run's folder loads: as the run's resume loaded it, when it
+        is the one the run resumed from; else natively (the run wrote it, on this layout)."""
+        resumed = self.resumed
+        if (
+            resumed is not None
+            and resumed.tag == tag
+            and resumed.root.resolve() == self.root.resolve()
+        ):
+            return resumed
+        saved = layout.load_trainer_state(self.root, tag)
+        return ResumePlan(self.root, tag, False, Topology.of_checkpoint(saved), "a rollback")
 
     def _write_record(self, record: dict) -> None:
         path = self.run_dir / RECORD
