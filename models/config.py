@@ -17,11 +17,15 @@ class ZeroStackConfig(PretrainedConfig):
     # How tensor parallelism splits a block, in transformers' tp_plan form (Llama's plan under our
     # module names): DeepSpeed's AutoTP and transformers' own `tp_plan="auto"` read it. Column
     # splits shard the output features (whole heads, whole MLP columns), row splits the inputs.
+    # The per-head norms of qk_norm stay whole but see only the rank's heads: their gradients
+    # are summed over the group (Qwen3's plan for its q_norm and k_norm).
     base_model_tp_plan = {
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": "colwise",
         "layers.*.attention.wv": "colwise",
         "layers.*.attention.wo": "rowwise",
+        "layers.*.attention.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.attention.k_norm": "replicated_with_grad_allreduce",
         "layers.*.feed_forward.w1": "colwise",
         "layers.*.feed_forward.w3": "colwise",
         "layers.*.feed_forward.w2": "rowwise",

@@ -97,6 +97,9 @@ def test_tp2_follows_one_rank_and_halves_the_split_layers(runs, name, ref, rel):
     }
     assert [r["tensor_parallel"] for r in resolved["ranks"]] == [0, 1]
     assert len({r["first_batch_sha1"] for r in resolved["ranks"]}) == 1  # a TP pair reads alike
+    # whole on both ranks, and bit-identical: the embedding, each block's 2 norms, the final norm
+    (same,) = read_metrics(runs[name], "replicas")
+    assert same["differ"] == [] and same["checked"] == 6, same
 
 
 @pytest.mark.slow
@@ -122,6 +125,9 @@ def test_sp2_follows_data_parallel_on_half_the_sequence(runs, name, ref, rel):
     resolved = json.loads((runs[name] / "resolved_config.json").read_text())
     assert resolved["parallel"]["sequence"] == 2 and resolved["parallel"]["data"] == 1
     assert [r["sequence_parallel"] for r in resolved["ranks"]] == [0, 1]
+    # ZeRO-2: all 20 parameters whole and bit-identical on both ranks; ZeRO-3: shards, none
+    (same,) = read_metrics(runs[name], "replicas")
+    assert same["differ"] == [] and same["checked"] == (0 if "z3" in name else 20), same
 
 
 @pytest.mark.slow
@@ -147,6 +153,10 @@ def test_tp2_x_dp2_on_four_ranks_shards_data_between_tp_groups(tiny_data, tmp_pa
     sha = [r["first_batch_sha1"] for r in ranks]
     assert sha[0] == sha[1] and sha[2] == sha[3] and sha[0] != sha[2]
     assert read_metrics(out)[-1]["tokens"] == 2 * 2 * 2 * 64  # 2 replicas x micro 2 x 2 steps
+    # The 6 whole parameters on all 4 ranks, and each of the 14 split ones' 2 slices on the 2
+    # ranks holding it (one per replica): bit-identical
+    (same,) = read_metrics(out, "replicas")
+    assert same["differ"] == [] and same["checked"] == 6 + 14 * 2, same
 
 
 @pytest.mark.slow
@@ -229,3 +239,28 @@ def test_a_model_whose_tp_plan_deepspeed_cannot_apply_is_refused(
     ).save_pretrained(folder)
     err = refused(capsys, monkeypatch, tmp_path, [*base[:-1], str(folder), *TP2])
     assert "rowwise_split_input" in err and "partition_config" in err
+
+
+def test_qk_norm_with_an_own_tp_plan_that_does_not_sum_its_gradients_is_refused(
+    capsys, monkeypatch, tmp_path, base
+):
+    """A config's own AutoTP plan that splits the heads must sum the per-head norms' gradients
+    over the group, as the model's plan does: refused without it, let through with it."""
+    from training.preflight import prepare_run
+    from training.settings import flags
+
+    split = [
+        {"patterns": [r".*\.w[qkv]\.weight$", r".*\.w[13]\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.w[o2]\.weight$"], "partition_type": "row"},
+    ]
+    summed = [{"patterns": [f".*{n}.weight$"], "partition_type": "skip", "grad_allreduce": True}
+              for n in ("q_norm", "k_norm")]  # fmt: skip
+
+    def plan(name, specs):
+        own = {"autotp_size": 2, "partition_config": {"layer_specs": specs}}
+        return [*base, *ds_variant(tmp_path, name, "tp2.json", tensor_parallel=own), "--qk-norm"]
+
+    err = refused(capsys, monkeypatch, tmp_path, plan("unsummed", split))
+    assert "--qk-norm with this tensor_parallel plan: it splits wq by heads but does not" in err
+    assert "q_norm's gradients" in err
+    prepare_run(flags.parse(plan("summed", summed + split)), 2, 0)  # no refusal

@@ -72,6 +72,10 @@ def test_pp2_x_tp2_follows_zero1_on_one_rank(runs):
     coords = [(r["pipeline_stage"], r["tensor_parallel"]) for r in resolved["ranks"]]
     assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert len({r["first_batch_sha1"] for r in resolved["ranks"]}) == 1  # one replica's data
+    # bit-identical on the ranks holding them whole: the tied embedding (first and last stage),
+    # each block's 2 norms and the final norm (the 2 ranks of a stage's tensor-parallel group)
+    (same,) = read_metrics(runs["pptp"], "replicas")
+    assert same["differ"] == [] and same["checked"] == 6, same
 
 
 @pytest.mark.slow
@@ -128,6 +132,7 @@ def test_pp2_x_tp2_resume_is_exact(runs):
     assert [r["step"] for r in b] == [6, 7, 8, 9, 10]
     assert [r["loss"] for r in a[5:]] == [r["loss"] for r in b]  # bitwise on CPU
     assert [r["grad_norm"] for r in a[5:]] == [r["grad_norm"] for r in b]
+    assert read_metrics(runs["resumed"], "replicas")[0]["differ"] == []
 
 
 @pytest.mark.slow
@@ -182,9 +187,11 @@ def test_pp2_x_tp2_resumes_universally(runs, tiny_data, tmp_path, name):
     )
     got, ref = read_metrics(tmp_path / name), read_metrics(runs["pptp"])
     assert [r["step"] for r in got] == [6, 7]
-    for a, b in zip(got, ref[5:7]):
+    for a, b in zip(got, ref[5:7], strict=True):
         assert close(a["loss"], b["loss"], 1e-5), (a, b)
         assert a["tokens"] == b["tokens"]
+    if nproc > 1:  # each rank loaded its part: the whole copies alike
+        assert read_metrics(tmp_path / name, "replicas")[0]["differ"] == []
 
 
 @pytest.fixture

@@ -7,9 +7,14 @@ stage's blocks split across its tensor-parallel group with DeepSpeed's own train
     MLP        w1, w3:     LinearLayer (column-parallel)                w2: LinearAllreduce (row)
 
 The embedding, the norms and the (tied) head stay whole on every rank of the group: a
-column-parallel layer's backward sums its input's gradient over the group, so every replicated
-weight gets the same whole gradient on each rank. (A vocabulary split would save the head's
-memory and logits, but needs a vocabulary-parallel loss DeepSpeed's layers do not provide.)
+column-parallel layer's backward sums its input's gradient over the group, so a replicated
+weight before one (the embedding, the block norms) gets the same whole gradient on each rank, as
+does one after a row-parallel layer's all-reduce (the final norm, the head). The per-head norms
+of `qk_norm` (q_norm, k_norm) are whole too but applied to the rank's own heads after wq and wk,
+so each rank's gradient is its heads' share: a hook sums it over the group as soon as it is
+computed, before accumulation, clipping and the optimizer, as AutoTP does for the model plan's
+`replicated_with_grad_allreduce` entries. (A vocabulary split would save the head's memory and
+logits, but needs a vocabulary-parallel loss DeepSpeed's layers do not provide.)
 
 AutoTP itself cannot do this: it replaces the layers of a whole model inside
 `deepspeed.initialize` and installs its own process groups as the engine's mpu, where the
@@ -19,7 +24,10 @@ without its `tensor_parallel` section). What is ours is only which linear layer 
 
 from __future__ import annotations
 
+import functools
+
 import torch.distributed as dist
+from deepspeed import comm
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.module_inject.layers import (
     LinearAllreduce,
@@ -36,6 +44,8 @@ from models.pipeline import BlockPipe
 COLUMN = (("attention", "wq"), ("attention", "wk"), ("attention", "wv"), ("feed_forward", "w1"),
           ("feed_forward", "w3"))  # fmt: skip
 ROW = (("attention", "wo"), ("feed_forward", "w2"))
+# whole on every rank, applied to the rank's heads: gradients summed over the group
+SUMMED = (("attention", "q_norm"), ("attention", "k_norm"))
 
 
 def stage_topology(stages: int, tensor: int) -> PipeModelDataParallelTopology:
@@ -56,7 +66,8 @@ def split_stage(module, group, config) -> int:
     tensor-parallel slices over `group` (the whole weights must be loaded first: each rank
     keeps its slice of them). The module then carries AutoTP's record of which weights are
     split how, which DeepSpeed saves with every checkpoint (export joins the slices by it).
-    Returns how many layers were split."""
+    Returns how many layers were split; the per-head norms (qk_norm) get their gradients summed
+    over `group`."""
     set_autotp_mode(training=True)  # DeepSpeed's layers all-reduce with autograd in training mode
     meta = AutoTPMeta.from_model_config(config)
     n = 0
@@ -69,5 +80,16 @@ def split_stage(module, group, config) -> int:
                 name = f"{prefix}.{sub}.{attr}"
                 setattr(parent, attr, kind(getattr(parent, attr), group, name=name, tp_meta=meta))
                 n += 1
+        for sub, attr in SUMMED:
+            norm = getattr(getattr(block, sub), attr, None)  # None without qk_norm
+            for p in norm.parameters() if norm is not None else ():
+                p.register_hook(functools.partial(sum_over, group=group))
     setattr(module, UNIVERSAL_CHECKPOINT_INFO, collect_autotp_universal_checkpoint_info(module))
     return n
+
+
+def sum_over(grad, group):
+    """A whole parameter's gradient from each rank's share of it, summed over `group`."""
+    grad = grad.contiguous()
+    comm.all_reduce(grad, group=group)  # DeepSpeed's, as its own layers' all-reduces
+    return grad

@@ -6,6 +6,7 @@ from __future__ import annotations
 from data.manifest import DataError
 from models import PRESETS
 from models.errors import ModelError
+from training.engines.expert_parallel import check_shared_expert
 from training.errors import ConfigError
 from training.memory.shape import ModelShape, with_lora
 from training.runtime.distributed import accelerator
@@ -32,6 +33,7 @@ def check_parallel(
     """What tensor, sequence and expert parallelism need of the model (settings/parallel.py)."""
     if parallel.expert_size(cfg) != 1:
         parallel.check_experts(parallel.expert_size(cfg), layout.data, model_cfg, cfg_path)
+        check_shared_expert(model_cfg, parallel.expert_size(cfg), cfg_path)
     if layout.tensor == 1 and layout.sequence == 1:
         return
     text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
@@ -48,6 +50,8 @@ def check_parallel(
     # The config's own plan wins over the model's; pipeline stages split our blocks themselves.
     if layout.tensor > 1 and not own_plan and layout.pipeline == 1:
         check_tp_plan(model_cfg, config.model.name, cfg_path)
+    if layout.tensor > 1 and own_plan and layout.pipeline == 1:
+        parallel.check_own_plan(cfg, model_cfg, cfg_path)
     if layout.sequence > 1 and config.data.doc_mask:
         raise ConfigError(
             f"{cfg_path}: --doc-mask with sequence_parallel_size > 1: Ulysses attends over the "

@@ -184,3 +184,32 @@ def check_model(
                 f"{source}: --seq-len {seq_len} is not divisible by sequence_parallel_size={sp}; "
                 f"use a multiple of {sp}"
             )
+
+
+def check_own_plan(cfg: dict, model_cfg, source: str) -> None:
+    """A config's own AutoTP plan (tensor_parallel.partition_config or preset_model) for a model
+    with per-head query and key norms (qk_norm): where it splits wq or wk by heads, it must sum
+    the matching norm's gradients over the group (a SKIP spec with grad_allreduce), as the
+    model's own plan does; each rank's gradient is only its heads' share. Refused otherwise."""
+    if not getattr(model_cfg, "qk_norm", False):
+        return
+    from deepspeed.module_inject.autotp_config import PartitionType
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+
+    plan = TPTrainingConfig(**cfg["tensor_parallel"]).get_partition_config_object()
+    if plan is None:
+        return
+
+    def spec(module: str):
+        return plan.find_matching_spec(f"layers.0.attention.{module}.weight", model_cfg.model_type)
+
+    for projection, norm in (("wq", "q_norm"), ("wk", "k_norm")):
+        split = spec(projection)
+        split = split is not None and split.partition_type != PartitionType.SKIP
+        if split and not getattr(spec(norm), "grad_allreduce", False):
+            raise ConfigError(
+                f"{source}: --qk-norm with this tensor_parallel plan: it splits {projection} by "
+                f"heads but does not sum {norm}'s gradients over the group; add the layer spec "
+                f'{{"patterns": [".*{norm}.weight$"], "partition_type": "skip", '
+                '"grad_allreduce": true}, or drop partition_config and preset_model'
+            )
