@@ -147,6 +147,7 @@ class DeepSpeedEngine(Engine):
         # gradient norm is not finite; a plain torch optimizer (fp32, ZeRO-0) needs us to.
         self._plain_optimizer = not hasattr(self.engine.optimizer, "overflow")
         self._stand_down_verified = patches.verified("optimizer_step_stand_down")
+        self._plain_norm = None
 
     def coordinates(self) -> dict[str, int]:
         out = {"data_parallel": self.dp_rank}
@@ -176,7 +177,8 @@ class DeepSpeedEngine(Engine):
         return self.sequence.whole_loss(loss) if self.sequence else loss.detach()
 
     def step(self) -> StepResult:
-        forced = self._plain_optimizer and self._stand_down_verified and not self._grads_finite()
+        finite = self._grads_finite() if self._plain_optimizer else True
+        forced = self._plain_optimizer and self._stand_down_verified and not finite
         stood_down = []
         if forced:  # a torch optimizer has no skip path: stand its step down for this call
             self.engine.optimizer.step = lambda *args, **kwargs: stood_down.append(1)
@@ -192,6 +194,8 @@ class DeepSpeedEngine(Engine):
                 "step (engines/ds.py) does not fit this DeepSpeed"
             )
         norm = self.engine.get_global_grad_norm()
+        if norm is None and self._plain_optimizer:  # a torch optimizer: DeepSpeed keeps none
+            norm = self._plain_norm
         if isinstance(norm, torch.Tensor):
             norm = norm.item()
         skipped = forced or not self.engine.was_step_applied()
@@ -208,6 +212,7 @@ class DeepSpeedEngine(Engine):
         if not grads:
             return True
         norm = torch.nn.utils.get_total_norm(grads)
+        self._plain_norm = norm  # the step's gradient norm, which DeepSpeed keeps none of here
         return bool(torch.isfinite(self.spike_gate(norm) if self.spike_gate else norm))
 
     def _gate(self):
