@@ -2,7 +2,9 @@
 
 Folders: our own `save_pretrained` output, an exported (or any compatible) `LlamaForCausalLM` folder, which is
 loaded into our class through the adapter, or any other `AutoModelForCausalLM` folder (GPT-2, Qwen2, ...). A
-folder with a config.json and no weights builds that architecture freshly initialised. A hub name
+folder with a config.json and no weights builds that architecture freshly initialised. An HF mixture of experts
+(Mixtral, Qwen3-MoE) computes its router logits in training mode, so its loss carries its load-balancing loss
+(models/moe.py `train_router_losses`); its config stays as the folder has it. A hub name
 (`org/name[@revision]`) is the folder `models/hub.py` fetches it into (the HF cache; offline from it).
 
 The model knows nothing of the engine that will train it. An engine that partitions parameters while the model
@@ -26,7 +28,7 @@ from models.errors import ModelError
 from models.hf_adapter import from_llama_config, from_llama_state_dict
 from models.hub import is_hub_name, resolve_pretrained
 from models.llama import ZeroStackForCausalLM
-from models.moe import ZeroStackMoeForCausalLM
+from models.moe import ZeroStackMoeForCausalLM, train_router_losses
 from models.presets import PRESETS, get_config
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
@@ -137,10 +139,13 @@ def _from_folder(
         return model
     try:
         if has_weights:
-            return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as e:
         raise ModelError(f"folder {path} holds no causal LM: {str(e).splitlines()[0]}") from None
+    # an HF mixture of experts trains on its load-balancing loss, its config left as stock
+    return train_router_losses(model)
 
 
 def _load_pickled(f: str) -> dict:

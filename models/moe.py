@@ -6,15 +6,22 @@ softmax over all experts renormalised over the chosen k). An optional shared exp
 token. Experts are stored as Mixtral's stacked weights (`gate_up_proj` (E, 2I, H) with the gate
 rows first, `down_proj` (E, H, I)), so export is a renaming and DeepSpeed's AutoEP finds them.
 
-The training loss adds the load-balancing loss (Switch Transformer's, computed as transformers'
-Mixtral does, so the exported model reports the same number) and the router z-loss (ST-MoE),
-each times its coefficient in the config. The last forward's router statistics stay on the model
-(`router_stats`) for the training loop to log.
+The training loss adds the load-balancing loss (Switch Transformer's, each layer's over its real
+tokens, averaged over the layers as Switch and Megatron do) and the router z-loss (ST-MoE), each
+times its coefficient in the config. Padding is left out of both: the real tokens are given
+(`router_mask`), or read off the targets of a right-padded batch (`real_tokens`). The last
+forward's router statistics stay on the model (`router_stats`) for the training loop to log.
+
+Any MoE model, ours or an HF folder's (Mixtral, Qwen3-MoE), trains on its router losses:
+`router_loss` gives what an objective that computes its own loss from the logits (DPO) must
+add, and `train_router_losses` makes an HF MoE model compute its router logits in training
+(transformers adds its load-balancing loss only when asked for them) without changing its config.
 """
 
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +32,14 @@ from transformers import initialization as init
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from models.config import ZeroStackMoeConfig
-from models.llama import _CACHE_FIELD, Block, FeedForward, ZeroStackForCausalLM, _linear
+from models.llama import (
+    _CACHE_FIELD,
+    IGNORE_INDEX,
+    Block,
+    FeedForward,
+    ZeroStackForCausalLM,
+    _linear,
+)
 
 
 class Experts(nn.Module):
@@ -100,23 +114,57 @@ class RouterStats:
     tokens_per_expert: torch.Tensor
 
 
-def router_stats(router_logits: list[torch.Tensor], top_k: int) -> RouterStats:
-    """The load-balancing loss E * sum_e f_e * P_e over all layers' tokens together, f_e the share
-    of top-k assignments that went to expert e (its sum is k) and P_e the mean router probability
-    (transformers' Mixtral `load_balancing_loss_func`, k at perfect balance), and the z-loss, the
-    mean over tokens and layers of logsumexp(logits)^2."""
+def router_stats(
+    router_logits: list[torch.Tensor], top_k: int, real: torch.Tensor | None = None
+) -> RouterStats:
+    """Per layer, over its real tokens: the load-balancing loss E * sum_e f_e * P_e, f_e the share
+    of the layer's top-k assignments that went to expert e (its sum is k) and P_e the expert's
+    mean router probability (k at perfect balance), and the z-loss, the mean of
+    logsumexp(logits)^2; each averaged over the layers. `router_logits`: each layer's (tokens, E);
+    `real`: (tokens,) or any shape of as many, True for a token of the batch, False for padding,
+    which counts in neither f_e nor P_e nor the tokens per expert; None: every token."""
     num_experts = router_logits[0].shape[-1]
-    counts, probs, z = [], 0.0, 0.0
+    weight = None if real is None else real.reshape(-1, 1).float()
+    aux, z, counts = [], [], []
     for logits in router_logits:
+        logits = logits.reshape(-1, num_experts)
         index = logits.topk(top_k, dim=-1).indices
-        counts.append(torch.bincount(index.reshape(-1), minlength=num_experts))
-        probs = probs + logits.softmax(dim=-1).sum(dim=0)
-        z = z + torch.logsumexp(logits, dim=-1).square().mean()
-    rows = sum(logits.shape[0] for logits in router_logits)
-    tokens = torch.stack(counts)
-    share = tokens.sum(dim=0).float() / rows
-    aux = num_experts * (share * (probs / rows)).sum()
-    return RouterStats(aux, z / len(router_logits), tokens)
+        probs = logits.softmax(dim=-1)
+        lse = torch.logsumexp(logits, dim=-1).square()
+        if weight is None:
+            n = logits.shape[0]
+            tokens = torch.bincount(index.reshape(-1), minlength=num_experts)
+            probs, lse = probs.sum(dim=0), lse.sum()
+        else:
+            w = weight.to(logits.device)
+            n = w.sum().clamp_min(1.0)
+            # padding's assignments go to a bin past the experts, which is dropped
+            index = index.masked_fill(w == 0, num_experts)
+            tokens = torch.bincount(index.reshape(-1), minlength=num_experts + 1)[:num_experts]
+            probs, lse = (probs * w).sum(dim=0), (lse * w[:, 0]).sum()
+        aux.append(num_experts * ((tokens.float() / n) * (probs / n)).sum())
+        z.append(lse / n)
+        counts.append(tokens)
+    return RouterStats(torch.stack(aux).mean(), torch.stack(z).mean(), torch.stack(counts))
+
+
+def real_tokens(targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """(batch, seq) bool, the tokens of each row's example, from its targets (batch, seq:
+    targets[:, t] is what token t predicts, `ignore_index` where nothing is trained). Samples are
+    padded at the end (data/examples.py, data/pairs.py), so a row's tokens run to the one its
+    last trained target names; what follows is padding, or an untrained tail of the example that
+    no trained position sees. A row with nothing trained keeps its first token."""
+    pos = torch.arange(targets.shape[-1], device=targets.device)
+    last = torch.where(targets != ignore_index, pos, -1).amax(dim=-1, keepdim=True)
+    return pos <= last + 1
+
+
+@dataclass
+class MoeOutput(MoeCausalLMOutputWithPast):
+    """transformers' MoE output, and `router_loss`: in training, the weighted router losses of
+    this forward (what `loss` includes when labels are given); None in eval."""
+
+    router_loss: torch.FloatTensor | None = None
 
 
 class ZeroStackMoeForCausalLM(ZeroStackForCausalLM):
@@ -142,31 +190,52 @@ class ZeroStackMoeForCausalLM(ZeroStackForCausalLM):
         `router_logits` up to date, training/engines/)."""
         return [m for m in self.modules() if hasattr(m, "router_logits")]
 
-    def forward(self, *args, **kwargs) -> MoeCausalLMOutputWithPast:
-        out = super().forward(*args, **kwargs)
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        shift_labels: torch.LongTensor | None = None,
+        *args,
+        router_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MoeOutput:
+        """As the dense model's forward (models/llama.py), and `router_mask` (batch, seq), True
+        for the tokens the router losses and counts take; without it, the ones `attention_mask`
+        keeps, else the real tokens of the targets (`real_tokens`) when labels are given, else
+        every token."""
+        out = super().forward(input_ids, attention_mask, labels, shift_labels, *args, **kwargs)
         layers = self.moe_layers()
-        stats = router_stats([m.router_logits for m in layers], self.config.num_experts_per_tok)
+        logits = [m.router_logits for m in layers]
+        if router_mask is None and attention_mask is not None:  # its last columns: these tokens
+            rows = logits[0].shape[0] // attention_mask.shape[0]
+            router_mask = attention_mask[:, -rows:].bool()
+        elif router_mask is None and labels is not None:
+            if shift_labels is None:  # as causal_lm_loss shifts them
+                shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+            router_mask = real_tokens(shift_labels, kwargs.get("ignore_index", IGNORE_INDEX))
+        stats = router_stats(logits, self.config.num_experts_per_tok, router_mask)
         for m in layers:
             m.router_logits = None
         self.router_stats = RouterStats(
             stats.aux_loss.detach(), stats.z_loss.detach(), stats.tokens_per_expert
         )
+        loss, weighted = out.loss, None
         if self.training:  # summed until the loop takes them (take_router_totals)
             totals = getattr(self, "router_totals", None)
             self.router_totals = (
                 self.router_stats if totals is None else _add(totals, self.router_stats)
             )
             self.router_forwards = getattr(self, "router_forwards", 0) + 1
-        loss = out.loss
-        if loss is not None and self.training:
             c = self.config
-            loss = (
-                loss + c.router_aux_loss_coef * stats.aux_loss + c.router_z_loss_coef * stats.z_loss
-            )
-        return MoeCausalLMOutputWithPast(
+            weighted = c.router_aux_loss_coef * stats.aux_loss + c.router_z_loss_coef * stats.z_loss
+            if loss is not None:
+                loss = loss + weighted
+        return MoeOutput(
             loss=loss,
             aux_loss=stats.aux_loss,
             logits=out.logits,
+            router_loss=weighted,
             **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)},
         )
 
@@ -199,6 +268,66 @@ def router_metrics(stats: RouterStats) -> dict[str, float]:
         "moe_expert_tokens_min": int(tokens.min()),
         "moe_expert_tokens_max": int(tokens.max()),
     }
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside an engine's wrapper (DeepSpeed's engine, DDP: `.module`) and peft's."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def router_inputs(model: nn.Module, targets: torch.Tensor) -> dict:
+    """What an objective that calls `model` (or an engine or peft wrapper of it) without labels
+    passes beside its inputs so the router losses leave padding out: for our MoE model the real
+    tokens of `targets` (batch, seq; `real_tokens`) as `router_mask`; nothing for any other."""
+    if isinstance(_unwrapped(model), ZeroStackMoeForCausalLM):
+        return {"router_mask": real_tokens(targets)}
+    return {}
+
+
+def router_loss(model: nn.Module, output) -> torch.Tensor | float:
+    """The weighted router losses an objective that computes its own loss from `output`, the
+    forward of `model` (or an engine or peft wrapper of it) without labels, must add: in
+    training, our MoE model's `router_loss` (router_aux_loss_coef x the load-balancing loss +
+    router_z_loss_coef x the z-loss), or an HF MoE model's router_aux_loss_coef x its `aux_loss`
+    (transformers' load-balancing loss, what its forward adds with labels; `train_router_losses`);
+    0 for a model without routers, and in eval (a validation loss stays the objective's alone)."""
+    inner = _unwrapped(model)
+    if not inner.training:
+        return 0.0
+    own = getattr(output, "router_loss", None)
+    if own is not None:
+        return own
+    aux = getattr(output, "aux_loss", None)
+    if aux is None:
+        return 0.0
+    config = getattr(inner, "config", None)
+    coef = getattr(inner, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", 0.0))
+    return coef * aux
+
+
+def train_router_losses(model: nn.Module) -> nn.Module:
+    """`model` itself; an HF MoE model (a config with `output_router_logits`: Mixtral,
+    Qwen3-MoE, ...) now asks for its router logits in training mode, so its forward adds
+    router_aux_loss_coef x its load-balancing loss to the loss it returns with labels and returns
+    that loss as `aux_loss` without: transformers adds it only when `output_router_logits` is
+    set, which its configs leave off. The config is not changed, so a save or export of it, and
+    the run's record, load in stock transformers as before; eval mode (validation, generation)
+    runs as stock. Our MoE model and dense models are returned as they are."""
+    config = getattr(model, "config", None)
+    if isinstance(model, ZeroStackMoeForCausalLM) or not hasattr(config, "output_router_logits"):
+        return model
+    # bound to the model, so callers of model.forward (peft) get it too, and a copy rebinds it
+    model.forward = types.MethodType(_forward_with_router_logits, model)
+    return model
+
+
+def _forward_with_router_logits(self, *args, **kwargs):
+    if self.training and kwargs.get("output_router_logits") is None:
+        kwargs["output_router_logits"] = True
+    return type(self).forward(self, *args, **kwargs)
 
 
 AutoConfig.register("zerostack_moe", ZeroStackMoeConfig, exist_ok=True)

@@ -89,18 +89,100 @@ def test_training_loss_adds_the_router_losses_with_their_coefficients():
     assert model.layers[0].feed_forward.gate.weight.grad.abs().sum() > 0
 
 
-def test_load_balancing_loss_is_mixtrals():
+def plain_router_losses(logits, top_k, real=None):
+    """Layer by layer, token by token, over the real tokens only: E * sum_e f_e * P_e (f_e the
+    share of the layer's top-k assignments that went to e, P_e its mean router probability) and
+    the mean logsumexp^2, each averaged over the layers."""
+    aux, z = [], []
+    for layer in logits:
+        rows = [t for t in range(layer.shape[0]) if real is None or real[t]]
+        e = layer.shape[1]
+        counts, probs, lse = [0.0] * e, [0.0] * e, 0.0
+        for t in rows:
+            p = torch.softmax(layer[t].double(), dim=-1)
+            for i in p.topk(top_k).indices.tolist():
+                counts[i] += 1
+            for i in range(e):
+                probs[i] += float(p[i])
+            lse += float(torch.logsumexp(layer[t].double(), dim=-1)) ** 2
+        n = len(rows)
+        aux.append(e * sum(c / n * q / n for c, q in zip(counts, probs, strict=True)))
+        z.append(lse / n)
+    return sum(aux) / len(aux), sum(z) / len(z)
+
+
+def test_load_balancing_loss_is_per_layer_with_padding_left_out():
+    """Each layer's Switch loss over its real tokens, averaged over the layers (Switch's,
+    Megatron's, the Mixtral paper's per layer): a plain computation, and transformers' Mixtral
+    function applied to each layer alone with the same attention mask. Padding rows, whatever
+    their logits, change nothing."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from models.moe import router_stats
 
     torch.manual_seed(0)
     logits = [torch.randn(40, 8) * 2 for _ in range(3)]
-    ours = router_stats(logits, top_k=2)
-    theirs = load_balancing_loss_func(tuple(logits), num_experts=8, top_k=2)
-    torch.testing.assert_close(ours.aux_loss, theirs)
-    z = torch.stack([torch.logsumexp(g, -1).square().mean() for g in logits]).mean()
-    torch.testing.assert_close(ours.z_loss, z)
+    real = torch.ones(40, dtype=torch.bool)
+    real[13:20] = real[33:] = False  # two rows of 20 tokens, right-padded
+    ours = router_stats(logits, top_k=2, real=real)
+    aux, z = plain_router_losses(logits, 2, real)
+    assert float(ours.aux_loss) == pytest.approx(aux, rel=1e-5)
+    assert float(ours.z_loss) == pytest.approx(z, rel=1e-5)
+    mask = real.view(2, 20).long()
+    per_layer = [load_balancing_loss_func((g,), 8, 2, mask) for g in logits]
+    torch.testing.assert_close(ours.aux_loss, torch.stack(per_layer).mean())
+    assert int(ours.tokens_per_expert.sum()) == 3 * 2 * int(real.sum())  # real tokens only
+    # padding changed: nothing moves
+    moved = [g.clone() for g in logits]
+    for g in moved:
+        g[~real] = torch.randn(int((~real).sum()), 8) * 10
+    again = router_stats(moved, top_k=2, real=real)
+    assert torch.equal(again.aux_loss, ours.aux_loss) and torch.equal(again.z_loss, ours.z_loss)
+    assert torch.equal(again.tokens_per_expert, ours.tokens_per_expert)
+    # no mask: every token, still layer by layer
+    everything = router_stats(logits, top_k=2)
+    assert float(everything.aux_loss) == pytest.approx(plain_router_losses(logits, 2)[0], rel=1e-5)
+
+
+def test_padding_leaves_the_models_router_losses_unchanged():
+    """A right-padded batch (chat data, preference pairs: data/examples.py): the tokens after
+    the one each row's last trained target names are padding, left out of the router losses
+    and the tokens counted, whatever the padding holds."""
+    from models.moe import real_tokens
+
+    torch.manual_seed(0)
+    model = build_model("tiny-moe").train()
+    x = torch.randint(0, 512, (3, 32), generator=torch.Generator().manual_seed(1))
+    y = torch.full_like(x, -100)
+    lengths = [32, 20, 9]  # tokens of each row's example
+    for row, n in enumerate(lengths):
+        y[row, 2 : n - 1] = x[row, 3:n]  # a prompt of 3 tokens; the rest of the example trained
+    real = real_tokens(y)
+    assert real.sum(dim=1).tolist() == lengths
+    first = model(input_ids=x, labels=y, shift_labels=y)
+    stats = model.router_stats
+    padded = x.clone()
+    for row, n in enumerate(lengths):
+        padded[row, n:] = (row + 7) * 3  # other padding ids
+    again = model(input_ids=padded, labels=y, shift_labels=y)
+    torch.testing.assert_close(again.aux_loss, first.aux_loss)
+    torch.testing.assert_close(model.router_stats.z_loss, stats.z_loss)
+    assert torch.equal(model.router_stats.tokens_per_expert, stats.tokens_per_expert)
+    c = model.config
+    assert int(stats.tokens_per_expert.sum()) == c.num_hidden_layers * sum(lengths) * 2
+    # the same numbers as a plain computation over the real tokens of each layer
+    seen = []
+    hooks = [
+        m.register_forward_hook(lambda mod, i, out: seen.append(mod.router_logits.detach()))
+        for m in model.moe_layers()
+    ]
+    with torch.no_grad():
+        model(input_ids=x, labels=y, shift_labels=y)
+    for h in hooks:
+        h.remove()
+    aux, z = plain_router_losses(seen, 2, real.reshape(-1))
+    assert float(stats.aux_loss) == pytest.approx(aux, rel=1e-5)
+    assert float(stats.z_loss) == pytest.approx(z, rel=1e-5)
 
 
 def test_parameter_count_and_flops_count_active_experts():
@@ -171,9 +253,20 @@ def test_moe_export_is_our_model_in_stock_transformers(qk_norm, stock, tmp_path)
     with torch.no_grad():
         a, b = ours(input_ids=ids), theirs(input_ids=ids, output_router_logits=True)
     torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(a.aux_loss, b.aux_loss)
+    torch.testing.assert_close(a.aux_loss, per_layer_aux(b, top_k=3))
     gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(ids[:1, :6], **gen), theirs.generate(ids[:1, :6], **gen))
+
+
+def per_layer_aux(out, top_k: int) -> torch.Tensor:
+    """A stock MoE output's load-balancing loss as our model reports it: transformers' function
+    on each layer's router logits alone, averaged over the layers (transformers' own `aux_loss`
+    pools the layers' tokens)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    e = out.router_logits[0].shape[-1]
+    per_layer = [load_balancing_loss_func((g,), e, top_k) for g in out.router_logits]
+    return torch.stack(per_layer).mean()
 
 
 def test_shared_expert_export_is_refused():
@@ -235,3 +328,21 @@ def test_train_command_refuses_lora_with_expert_parallelism(
             "--lora", "r=4", "--ds_config", "ds_configs/moe_ep2.json"]  # fmt: skip
     err = refused(capsys, monkeypatch, tmp_path, argv)
     assert "--lora with expert parallelism is not supported" in err
+
+
+def test_train_command_refuses_a_shared_expert_with_expert_parallelism(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
+    """AutoEP replaces the whole routed MLP with its own layer, which keeps a shared expert only
+    for presets that declare one (Mixtral's does not): ours would vanish from the model."""
+    from conftest import refused
+
+    folder = tmp_path / "shared-moe"
+    build_model("tiny-moe", overrides={"shared_expert_intermediate_size": 32}).save_pretrained(
+        folder
+    )
+    capsys.readouterr()  # the save's progress bar
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", str(folder),
+            "--ds_config", "ds_configs/moe_ep2.json"]  # fmt: skip
+    err = refused(capsys, monkeypatch, tmp_path, argv)
+    assert "shared expert" in err and "expert parallelism" in err

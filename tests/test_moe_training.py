@@ -62,36 +62,88 @@ def assert_exports_as_mixtral(run, hf) -> None:
         a = ours(input_ids=ids)
         b = theirs(input_ids=ids, output_router_logits=True)
     assert (a.logits - b.logits).abs().max().item() < 1e-4
-    torch.testing.assert_close(a.aux_loss, b.aux_loss)  # the same load-balancing loss
+    # the same load-balancing loss: transformers' function on each layer alone, averaged
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    per_layer = [load_balancing_loss_func((g,), 4, 2) for g in b.router_logits]
+    torch.testing.assert_close(a.aux_loss, torch.stack(per_layer).mean())
     gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     assert (ours.generate(ids[:1, :8], **gen) == theirs.generate(ids[:1, :8], **gen)).all()
     assert report.generated and report.max_logit_diff < 1e-4
 
 
-HF_MOE = {
-    "mixtral": lambda **kw: MixtralConfig(num_local_experts=4, output_router_logits=True, **kw),
+HF_MOE = {  # stock configs: output_router_logits is off, as transformers writes them
+    "mixtral": lambda **kw: MixtralConfig(num_local_experts=4, **kw),
     "qwen3_moe": lambda **kw: Qwen3MoeConfig(
-        num_experts=4, moe_intermediate_size=88, head_dim=16, output_router_logits=True, **kw
+        num_experts=4, moe_intermediate_size=88, head_dim=16, **kw
     ),
 }
 
 
-@pytest.mark.parametrize("kind", sorted(HF_MOE))
-def test_hf_moe_folder_trains(tiny_data, tmp_path, kind):
-    """A random-initialised Mixtral or Qwen3-MoE folder (built with transformers, no download)
-    trains as the dense HF folders do (with output_router_logits, transformers adds the
-    folder's load-balancing loss to the loss the trainer steps on)."""
-    folder = tmp_path / kind
-    HF_MOE[kind](
-        vocab_size=512, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+def hf_moe_folder(kind: str, folder: Path, vocab_size: int = 512, weights: bool = False) -> Path:
+    """A random-initialised Mixtral or Qwen3-MoE folder (built with transformers, no download):
+    its config alone, or with `weights` its weights too."""
+    config = HF_MOE[kind](
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
         max_position_embeddings=256,
-    ).save_pretrained(folder)  # fmt: skip
+    )  # fmt: skip
+    if weights:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", sorted(HF_MOE))
+def test_hf_moe_next_token_loss_adds_the_weighted_aux_loss(kind, tmp_path):
+    """A stock Mixtral or Qwen3-MoE folder built for training: its training loss is the
+    cross-entropy plus router_aux_loss_coef x transformers' load-balancing loss (the same folder
+    with the coefficient at 0 gives the cross-entropy alone), while its config, and so the run's
+    record and export, keep output_router_logits off; in eval mode the loss is the
+    cross-entropy alone, as our model's."""
+    from models import build_model
+    from training.engines.base import next_token_loss
+
+    folder = hf_moe_folder(kind, tmp_path / kind, weights=True)
+    model = build_model(folder).train()
+    off = build_model(folder, overrides={"router_aux_loss_coef": 0.0}).train()
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, dims=1)
+    loss, ce = next_token_loss(model, x, y), next_token_loss(off, x, y)
+    out = model(input_ids=x)
+    coef = model.config.router_aux_loss_coef
+    assert out.aux_loss is not None and out.aux_loss.item() >= 2.0 - 1e-4
+    torch.testing.assert_close(loss - ce, coef * out.aux_loss, rtol=1e-4, atol=1e-7)
+    assert loss.item() != ce.item()
+    loss.backward()  # the aux loss trains the routers
+    gates = [p.grad for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert gates and all(g is not None and g.abs().sum() > 0 for g in gates)
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=x).aux_loss is None  # eval: no router logits asked for
+    assert model.config.output_router_logits is False
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved.get("output_router_logits", False) is False
+    assert model.config.to_dict()["output_router_logits"] is False  # what the record keeps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(HF_MOE))
+def test_hf_moe_folder_trains(tiny_data, tmp_path, kind):
+    """A stock Mixtral or Qwen3-MoE folder trains as the dense HF folders do, with its
+    load-balancing loss in the loss the trainer steps on; the run's record keeps the folder's
+    config as it was (output_router_logits off)."""
+    folder = hf_moe_folder(kind, tmp_path / kind)
     run = tmp_path / "run"
     args = [a if a != "tiny" else str(folder) for a in TINY_RUN]
     launch(["--data", str(tiny_data), "--out", str(run), *args, "--steps", "2"], nproc=1)
     rows = read_metrics(run)
     assert len(rows) == 2 and all(r["loss"] > 0 for r in rows)
+    resolved = json.loads((run / "resolved_config.json").read_text())
+    assert resolved["model_config"]["output_router_logits"] is False
 
 
 def test_expert_parallel_step_has_the_one_process_gradient(tmp_path):

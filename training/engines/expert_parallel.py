@@ -14,11 +14,20 @@ experts) live with the others in training/settings/parallel.py.
 
 AutoEP's layer keeps no router logits, which our model needs for its load-balancing and z-losses:
 `capture_router_logits` hooks each replaced router so the model finds them where it looks.
+
+AutoEP swaps each matched MLP whole for its own layer (deepspeed/module_inject/auto_ep.py,
+`setattr(parent, child_name, replacement)`), which takes over a shared expert only where its
+preset declares one (`has_shared_experts` and `shared_experts_pattern`: Qwen3-MoE's does,
+Mixtral's, the one ours runs under, does not; auto_ep_layer.py adds the kept one's output in
+`_finalize_output`). Our shared expert would leave the model unseen, so `check_shared_expert`
+refuses the combination before any work.
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+from training.errors import ConfigError
 
 
 def autoep_section(ep_size: int) -> dict:
@@ -48,3 +57,16 @@ def capture_router_logits(model: nn.Module) -> int:
 
         layer.router.gate.register_forward_hook(keep)
     return len(layers)
+
+
+def check_shared_expert(model_cfg, ep_size: int, source: str) -> None:
+    """One ConfigError line for expert parallelism (`ep_size` > 1) on our MoE model with a
+    shared expert, which AutoEP's Mixtral-preset layer would drop from the model."""
+    width = getattr(model_cfg, "shared_expert_intermediate_size", 0)
+    if ep_size > 1 and width and getattr(model_cfg, "model_type", None) == "zerostack_moe":
+        raise ConfigError(
+            f"{source}: expert parallelism (expert_parallel.autoep_size={ep_size}) with a shared "
+            f"expert (shared_expert_intermediate_size={width}) is not supported: AutoEP's layer "
+            "has no shared expert and would drop it; train without expert_parallel, or without "
+            "the shared expert"
+        )

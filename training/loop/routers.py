@@ -1,6 +1,7 @@
 """What a mixture-of-experts model's routers did since the last log line, over every rank: the
-load-balancing and z-losses (means) and the fewest and most tokens any expert received (sums
-over the ranks' micro-batches), as fields of the train line of metrics.jsonl."""
+load-balancing and z-losses the training loss took (means; each a mean over the layers, padding
+left out: models/moe.py `router_stats`) and the fewest and most real tokens any expert received
+(sums over the ranks' micro-batches), as fields of the train line of metrics.jsonl."""
 
 from __future__ import annotations
 
