@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from data.examples import IGNORE_INDEX
+from models.moe import router_inputs, router_loss
 from training.runtime.distributed import all_reduce_scalars
 
 OBJECTIVES = ("dpo", "ipo")
@@ -137,11 +138,13 @@ class PreferenceLoss:
     def __call__(self, model, x, y, num_items=None, reference=None) -> torch.Tensor:
         if reference is None or bool(torch.isnan(reference).any()):
             raise RuntimeError("preference pairs without their reference log-probs")
-        logps, lengths = sequence_logps(model(input_ids=x).logits, y)
+        out = model(input_ids=x, **router_inputs(model, y))  # an MoE model's padding left out
+        logps, lengths = sequence_logps(out.logits, y)
         loss, stats = preference_loss(self.kind, self.beta, logps, reference, lengths)
         mode = "train" if torch.is_grad_enabled() else "eval"  # eval_loss runs without grad
         self.sums[mode] = stats if self.sums[mode] is None else self.sums[mode] + stats
-        return loss
+        # an MoE model's load-balancing (and z-) loss, as its next-token training adds it
+        return loss + router_loss(model, out)
 
     def describe(self) -> str:
         """The objective in the run's banner and record."""
