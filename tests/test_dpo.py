@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import launch, pair_rows, read_metrics, refused, write_jsonl
+from conftest import launch, pair_rows, rank_exit_codes, read_metrics, refused, write_jsonl
 
 from data import prepare
 from data.examples import IGNORE_INDEX
@@ -251,6 +252,70 @@ def test_stored_reference_is_refused_when_missing_changed_or_of_other_data(pairs
         reference.read_back(folder, "train", ds)
 
 
+def test_stored_reference_is_refused_when_of_another_model_or_precision(pairs, tmp_path):
+    """The model's identity and the precision are stored beside the data's fingerprint; a file
+    written before they were (no such fields) is not held to them."""
+    from training.errors import CheckpointError
+    from training.objectives import reference
+
+    ds = PairDataset(pairs["data"], "train", SEQ)
+    stored = -np.arange(2.0 * len(ds)).reshape(-1, 2)
+    made_by = {"model": "a" * 64, "precision": "fp32"}
+    old, new = tmp_path / "old", tmp_path / "new"
+    reference._store(old, "train", stored, reference._fingerprint(ds))
+    reference._store(new, "train", stored, reference._fingerprint(ds), made_by)
+    assert np.array_equal(reference.read_back(old, "train", ds, made_by), stored)
+    assert np.array_equal(reference.read_back(new, "train", ds, made_by), stored)
+    with pytest.raises(CheckpointError, match=r"computed by another model \(config sha256 a{12}"):
+        reference.read_back(new, "train", ds, {**made_by, "model": "b" * 64})
+    with pytest.raises(CheckpointError, match="computed in fp32, this run trains in bf16; resume "
+                                              "with --precision fp32"):  # fmt: skip
+        reference.read_back(new, "train", ds, {**made_by, "precision": "bf16"})
+
+
+def test_dropout_is_turned_off_in_modules_attributes_and_config():
+    """GPT-2 (nn.Dropout modules; attn_pdrop and friends in its config) and Qwen2 (attention
+    dropout as a float on each attention module): after disable_dropout a training-mode forward
+    is the eval-mode one, bit for bit, as the reference pass (eval mode) computes it."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    from training.objectives.reference import disable_dropout, model_identity
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
+                                      n_head=2))  # fmt: skip
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, attention_dropout=0.3))  # fmt: skip
+    qwen.config._attn_implementation = "eager"  # dropout on the probabilities, on every kernel
+    x = torch.randint(0, 64, (2, 16))
+    for model, turned in ((gpt2, 2 * 3 + 1 + 4), (qwen, 2)):
+        identity = model_identity(model)
+        with torch.no_grad():
+            want = model.eval()(input_ids=x).logits
+            assert not torch.equal(model.train()(input_ids=x).logits, want)  # dropout is on
+            assert disable_dropout(model) >= turned
+            assert torch.equal(model.train()(input_ids=x).logits, want)
+        assert disable_dropout(model) == 0 and model_identity(model) == identity
+    assert gpt2.config.attn_pdrop == gpt2.config.resid_pdrop == gpt2.config.embd_pdrop == 0.0
+    assert qwen.config.attention_dropout == 0.0
+
+
+def test_model_identity_is_the_config_without_paths_and_with_lora_the_base(tmp_path):
+    from models import build_model
+    from models.lora import apply_lora, parse_lora
+    from training.objectives.reference import model_identity
+
+    model = build_model("tiny", vocab_size=96)
+    model.save_pretrained(tmp_path / "tiny")
+    same = build_model(str(tmp_path / "tiny"), vocab_size=96)  # a path and architectures now
+    assert model_identity(same) == model_identity(model)
+    lora = apply_lora(build_model("tiny", vocab_size=96), parse_lora("r=4"), seed=0)
+    assert model_identity(lora) == model_identity(model)
+    other = build_model("tiny", vocab_size=96, overrides={"rope_theta": 5e5})
+    assert model_identity(other) != model_identity(model)
+
+
 @pytest.mark.slow
 def test_dpo_resumes_on_another_world_size_within_the_cross_world_bound(pairs, resumed, tmp_path):
     """The 2-rank run's step-3 checkpoint resumed on 1 rank with 2 accumulation steps (the same
@@ -321,3 +386,125 @@ def test_memory_plan_counts_pairs_and_their_stored_reference(pairs):
     assert pref.per_rank["activations"]["device"] == 2 * text.per_rank["activations"]["device"]
     more = pref.per_rank["runtime"]["host"] - text.per_rank["runtime"]["host"]
     assert more == REFERENCE_BYTES * n
+
+
+def gpt2_folder(pairs, out, **dropout) -> Path:
+    """A tiny random GPT-2 folder (save_pretrained) on the pairs' vocabulary, with GPT-2's own
+    dropout (0.1 on embeddings, residuals and attention) unless `dropout` says otherwise."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = json.loads((pairs["data"] / "manifest.json").read_text())
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=m["vocab_size"], n_positions=128, n_embd=32, n_layer=2,
+                        n_head=2, bos_token_id=m["bos_id"], eos_token_id=m["eos_id"],
+                        **dropout)  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_dropout_is_off_so_the_first_step_is_the_reference(pairs, tmp_path):
+    """A GPT-2 folder with dropout 0.1, one 2-rank step: the policy's first forward is the
+    reference model's (its eval mode), so the loss is log 2 and the rewards 0, to fp32
+    rounding; the record says dropout was turned off."""
+    model = gpt2_folder(pairs, tmp_path / "gpt2")
+    out = tmp_path / "run"
+    p = launch(["--data", str(pairs["data"]), "--out", str(out), "--model", str(model), *RUN,
+                "--steps", "1", "--eval-every", "0", "--save-every", "-1"])  # fmt: skip
+    (first,) = read_metrics(out)
+    assert abs(first["loss"] - math.log(2)) <= 1e-6, first
+    assert abs(first["rewards_chosen"]) <= 1e-6 and abs(first["rewards_rejected"]) <= 1e-6
+    record = json.loads((out / "resolved_config.json").read_text())
+    assert "dropout off" in record["objective"] and "dropout off" in p.stdout, record["objective"]
+    assert record["model_config"]["attn_pdrop"] == record["model_config"]["resid_pdrop"] == 0.0
+
+
+ENGINES = {
+    "zero0": ["--ds_config", "ds_configs/zero0.json"],
+    "zero1": ["--ds_config", "ds_configs/zero1.json"],
+    "zero3": ["--ds_config", "ds_configs/zero3.json"],
+    "ddp": ["--backend", "ddp"],
+    "fsdp": ["--backend", "fsdp"],
+}
+
+
+@pytest.fixture(scope="module")
+def baselines(pairs, resumed):
+    """(objective, ranks) -> the run of the DPO job under ZeRO-2 (the default config), each
+    launched once when first asked for: 2 ranks (the resumed fixture's uninterrupted run), and 1
+    rank with 2 accumulation steps (the same 4 pairs a step, in the same order)."""
+    runs = {("dpo", 2): resumed["ref"]}
+
+    def run(kind: str, nproc: int) -> Path:
+        if (kind, nproc) not in runs:
+            out = pairs["base"] / "runs" / f"zero2_{kind}_{nproc}"
+            accum = ["--grad-accum", str(2 // nproc)]
+            launch(["--data", str(pairs["data"]), "--out", str(out), "--model", "tiny", *RUN,
+                    "--objective", kind, *accum, "--save-every", "-1"], nproc=nproc)  # fmt: skip
+            runs[(kind, nproc)] = out
+        return runs[(kind, nproc)]
+
+    return run
+
+
+def assert_same_trajectory(run: Path, want: Path, what: str) -> None:
+    """Step by step within the cross-engine bound of tests/test_engines.py: 1e-3 relative on
+    the loss (measured within 5e-7 in fp32), the rewards and log-probs alike, the same
+    accuracy, and the step-1 gradient norm within 1e-2 (the same weights and batch)."""
+    got, ref = read_metrics(run), read_metrics(want)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 7)), what
+    for a, b in zip(got, ref, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * b["loss"], (what, a["step"], a, b)
+        for key in ("rewards_chosen", "rewards_rejected", "logps_chosen"):
+            assert abs(a[key] - b[key]) <= 1e-3 * max(1.0, abs(b[key])), (what, key, a, b)
+        assert a["accuracy"] == pytest.approx(b["accuracy"], abs=1e-6), (what, a, b)
+    assert abs(got[0]["grad_norm"] - ref[0]["grad_norm"]) <= 1e-2 * ref[0]["grad_norm"], what
+    val, val_ref = read_metrics(run, "eval"), read_metrics(want, "eval")
+    assert len(val) == len(val_ref) == 2, what
+    for a, b in zip(val, val_ref, strict=True):
+        assert abs(a["val_loss"] - b["val_loss"]) <= 1e-3 * b["val_loss"], (what, a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "engine, kind", [*((e, "dpo") for e in ENGINES), ("fsdp", "ipo")], ids=lambda v: v
+)
+def test_dpo_takes_the_same_steps_on_every_engine(pairs, baselines, engine, kind, tmp_path):
+    """The same 6-step job (fp32, the tiny model from one seed, 4 pairs a step in the same
+    order) on 2 ranks under each engine DPO is documented for, against ZeRO-2 on 2 ranks and
+    on 1 rank; IPO under FSDP2 against IPO under ZeRO-2."""
+    out = tmp_path / engine
+    launch(["--data", str(pairs["data"]), "--out", str(out), "--model", "tiny", *RUN,
+            *ENGINES[engine], "--objective", kind, "--save-every", "-1"])  # fmt: skip
+    assert_same_trajectory(out, baselines(kind, 2), f"{engine} against zero2, 2 ranks")
+    if kind == "dpo":
+        assert_same_trajectory(out, baselines(kind, 1), f"{engine} against zero2, 1 rank")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", ["precision", "model"])
+def test_resume_on_a_reference_of_another_model_or_precision_is_refused(
+    pairs, resumed, change, tmp_path
+):
+    """The ZeRO-2 run's step-3 checkpoint resumed into a new --out in bf16 (its reference was
+    computed in fp32), or with a --model of the same shapes but another rotary base (the
+    checkpoint's weights load into it; its reference is another model's): refused in one line
+    on every rank, before any step."""
+    from models import ZeroStackConfig, get_config
+
+    m = json.loads((pairs["data"] / "manifest.json").read_text())
+    if change == "precision":
+        flags, says = ["--precision", "bf16"], "was computed in fp32, this run trains in bf16"
+    else:
+        folder = tmp_path / "other"
+        cfg = get_config("tiny", vocab_size=m["vocab_size"]).to_dict()
+        ZeroStackConfig(**{**cfg, "rope_theta": 5e5}).save_pretrained(folder)
+        flags, says = ["--model", str(folder)], "was computed by another model (config sha256"
+    new, step3 = tmp_path / "new", resumed["stopped"] / "checkpoints" / "step_00000003"
+    p = launch(["--data", str(pairs["data"]), "--out", str(new), "--model", "tiny", *RUN,
+                "--resume", str(step3), *flags], check=False)  # fmt: skip
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and says in errors[0], p.stdout[-2000:] + p.stderr[-3000:]
+    assert str(resumed["stopped"] / "reference" / "train.npy") in errors[0]
+    assert rank_exit_codes(p) == [2, 2]
+    assert not (new / "metrics.jsonl").exists() or not read_metrics(new)  # not one step
