@@ -36,8 +36,9 @@ from models import (
 )
 from models.hub import resolve_pretrained
 from models.lora import apply_lora
+from training.checkpoints.resume_plan import ResumePlan
 from training.checkpoints.weights import folder_weights
-from training.engines import Engine, build_engine
+from training.engines import Engine, build_engine, replicas
 from training.engines.construct import build_for_engine
 from training.engines.spike_guard import SpikeGuard
 from training.errors import HUNG, CheckpointError, ConfigError
@@ -118,12 +119,7 @@ def train(config: RunConfig, prepared: Prepared) -> int:
         ceiling=ceiling,
     )
     logger = open_logger(config, prepared, record, engine.dp_world, state.step, started)
-    choice = prepared.precision_choice
-    logger.log(
-        {"kind": "precision", "step": state.step, **choice.as_record(), "note": choice.line()}
-    )
-    first = {"kind": "ceiling", "when": "start", "step": state.step, **ceiling.as_record()}
-    logger.log({**first, "note": ceiling.describe(dtype)})
+    log_start(logger, prepared.precision_choice, ceiling, dtype, state.step)
 
     def reprobe() -> float:  # all ranks at once, as at the start
         return run_ceiling(dist.device, dtype, shapes).per_rank * dist.world
@@ -143,8 +139,12 @@ def train(config: RunConfig, prepared: Prepared) -> int:
             record=record,
             reprobe=reprobe if ceiling.measured else None,
             followups=followups,
+            resume=resume,
         )
     )
+    if dist.world > 1:  # every copy of a parameter that ranks hold whole: the same bits on each
+        tensor_rank = engine.coordinates().get("tensor_parallel", 0)
+        logger.log(replicas.check(engine.module, tensor_rank).record(state.step))
     # Probe again: a host that changed speed during the run makes its MFU an interval.
     drift = None if signals.current().honored else ceiling_drift(ceiling, dist.device, dtype)
     if drift:
@@ -162,6 +162,13 @@ def train(config: RunConfig, prepared: Prepared) -> int:
         followups.finish(lambda: signals.current().requested)
     logger.close()
     return 0
+
+
+def log_start(logger: RunLogger, choice, ceiling, dtype, step: int) -> None:
+    """The run's first records: the precision it picked and the matmul ceiling MFU is against."""
+    logger.log({"kind": "precision", "step": step, **choice.as_record(), "note": choice.line()})
+    first = {"kind": "ceiling", "when": "start", "step": step, **ceiling.as_record()}
+    logger.log({**first, "note": ceiling.describe(dtype)})
 
 
 def open_logger(
@@ -312,6 +319,7 @@ def use_preference(config: RunConfig, engine: Engine, train_ds, val_ds, started)
         micro_batch=started.prepared.micro_batch,
         device=started.dist.device,
         is_main=started.dist.is_main,
+        precision=started.prepared.precision,  # stored with the reference, checked on resume
     )
 
 
@@ -331,6 +339,7 @@ class Training:
     record: dict  # resolved_config.json's content
     reprobe: Callable[[], float] | None  # the matmul ceiling again (None: it was not measured)
     followups: Followups | None = None  # rank 0's background work on sealed checkpoints
+    resume: ResumePlan | None = None  # what the run resumed from, and how it loaded
 
 
 def log_recipe_change(changes: dict, logger: RunLogger, step: int) -> None:
@@ -376,7 +385,7 @@ def train_loop(t: Training) -> dict:
         if config.logging.profile
         else None,
     )
-    guard, rollback = safeguards(config.optim, engine, loader, dist, run_dir, t.state)
+    guard, rollback = safeguards(config.optim, engine, loader, dist, run_dir, t.state, t.resume)
     saver = Saver(
         engine,
         loader,
@@ -429,7 +438,9 @@ def watch_for_hangs(config: RunConfig, dist: DistInfo, run_dir: Path) -> None:
     hang.start(run_dir, dist.rank, engine.hang_factor, engine.hang_floor_s, on_hang, last)
 
 
-def safeguards(optim, engine: Engine, loader, dist: DistInfo, run_dir: Path, state: LoopState):
+def safeguards(
+    optim, engine: Engine, loader, dist: DistInfo, run_dir: Path, state: LoopState, resumed=None
+):
     """The spike guard (its gate set on the engine; None when off, and on the pipeline engine,
     which steps inside one train_batch call) and the rollback past troubled data."""
     guard = None
@@ -450,6 +461,7 @@ def safeguards(optim, engine: Engine, loader, dist: DistInfo, run_dir: Path, sta
         run_dir=run_dir,
         is_main=dist.is_main,
         guard=guard,
+        resumed=resumed,
     )
     return guard, rollback
 
