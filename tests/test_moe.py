@@ -202,6 +202,9 @@ def test_shared_expert_sees_every_token():
     torch.manual_seed(0)
     config = get_config("tiny-moe", shared_expert_intermediate_size=32)
     layer = MoeFeedForward(config)
+    with torch.no_grad():  # the experts are made with torch.empty: give them numbers
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
     x = torch.randn(1, 8, 64)
     with torch.no_grad():
         both = layer(x)
