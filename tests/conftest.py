@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.matrix import inputs
+from benchmarks.matrix.inputs import (  # noqa: F401  (test files import them from here)
+    CHATML,
+    chat_rows,
+    chat_tokenizer,
+    pair_rows,
+    write_jsonl,
+)
+from benchmarks.matrix.runner import rank_exit_codes  # noqa: F401  (test files import it here)
 from launch.launcher_argv import launcher_command
 from launch.supervise import run_marked
 from training.runtime.distributed import free_port
@@ -102,15 +110,6 @@ def _forked(program: list[str], nproc: int, timeout: float, cmd: list[str], env=
     p = subprocess.CompletedProcess(cmd, 1 if failures else 0, out, err)
     p.failures = failures
     return p, timed_out
-
-
-def rank_exit_codes(run: subprocess.CompletedProcess | str) -> list[int]:
-    """What the ranks that failed a run exited with, sorted: as the rank server saw them, or as
-    torchrun's failure summary in the run's output gives them."""
-    if hasattr(run, "failures"):
-        return sorted(run.failures.values())
-    text = run if isinstance(run, str) else run.stdout + run.stderr
-    return sorted(int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", text))
 
 
 # DeepSpeed's compiled ops the slow tier's runs load, in the order they first need them
@@ -235,11 +234,7 @@ def ds_variant(tmp: Path, name: str, base: str, **changes) -> list[str]:
 def tiny_data(tmp_path_factory) -> Path:
     """A real corpus (a slice of the Python standard library) tokenized with a small trained
     tokenizer: shared by every training test."""
-    from data import prepare
-
-    out = tmp_path_factory.mktemp("data") / "pystdlib-tiny"
-    prepare("pystdlib", out, vocab_size=512, max_docs=300, num_proc=1, val_fraction=0.05)
-    return out
+    return inputs.text_data(tmp_path_factory.mktemp("data") / "pystdlib-tiny")
 
 
 # The short tiny-model run most tests launch: 2 sequences of 64 tokens per rank and micro-step,
@@ -289,87 +284,13 @@ def resumed_runs(tiny_data, tmp_path_factory) -> dict:
     return out
 
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def chat_tokenizer(tiny_data: Path, out: Path, template: str | None = CHATML) -> Path:
-    """An HF tokenizer folder shaped like an instruct model's: tiny_data's tokenizer with the
-    special tokens <|im_start|> and <|im_end|> and a ChatML template (none when None)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_data / "tokenizer"))
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = template
-    tok.split_special_tokens = False  # as an instruct model's: the template's tokens are special
-    tok.init_kwargs["split_special_tokens"] = False
-    tok.save_pretrained(str(out))
-    return out
-
-
-def chat_rows(n: int) -> list[dict]:
-    """`n` examples in the three shapes whose completions are one word or a long line,
-    so micro-batches hold very different numbers of trained tokens."""
-    out = []
-    for i in range(n):
-        body = "return " + " + ".join(f"x{k}" for k in range(5 + i % 5)) if i % 2 else "ok"
-        shape = i % 3
-        if shape == 0:
-            out.append({"prompt": f"def f{i}(x):\n", "completion": f"    {body}\n"})
-        elif shape == 1:
-            out.append(
-                {"instruction": f"Name {i}", "input": f"in {i}" if i % 4 else "", "output": body}
-            )
-        else:
-            user = {"role": "user", "content": f"Question {i}?"}
-            out.append({"messages": [{"role": "system", "content": "Be brief."}, user,
-                                     {"role": "assistant", "content": body}]})  # fmt: skip
-    return out
-
-
 @pytest.fixture(scope="session")
 def chat_data(tiny_data, tmp_path_factory) -> Path:
     """Chat data prepared from `chat_rows(60)` with `chat_tokenizer`, 64-token examples."""
-    from data import prepare
-
-    base = tmp_path_factory.mktemp("chat")
-    tok = chat_tokenizer(tiny_data, base / "tokenizer")
-    src = base / "chat.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(60)))
-    out = base / "sft"
-    prepare(src, out, tokenizer=tok, seq_len=64, val_fraction=0.2, progress=False)
-    return out
-
-
-def pair_rows(n: int) -> list[dict]:
-    """`n` pairs in TRL's two shapes: text, and conversational with an implicit prompt."""
-    out = []
-    for i in range(n):
-        if i % 2:
-            out.append({"prompt": f"def f{i}(x):", "chosen": f"    return x + {i}",
-                        "rejected": f"    pass  # {i}"})  # fmt: skip
-        else:
-            user = {"role": "user", "content": f"Is {i} even?"}
-            out.append({"chosen": [user, {"role": "assistant", "content": "yes " * (i % 5 + 1)}],
-                        "rejected": [user, {"role": "assistant", "content": "no"}]})  # fmt: skip
-    return out
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return inputs.chat_data(tiny_data, tmp_path_factory.mktemp("chat"))
 
 
 @pytest.fixture(scope="session")
 def pairs(tiny_data, tmp_path_factory) -> dict:
     """Preference data from `pair_rows(48)`, 64-token sequences, and the tokenizer."""
-    from data import prepare
-
-    base = tmp_path_factory.mktemp("pairs")
-    tok = chat_tokenizer(tiny_data, base / "tokenizer")
-    src = write_jsonl(base / "pairs.jsonl", pair_rows(48))
-    out = base / "pref"
-    prepare(src, out, tokenizer=tok, seq_len=64, val_fraction=0.25, progress=False)
-    return {"data": out, "tokenizer": tok, "base": base}
+    return inputs.pair_data(tiny_data, tmp_path_factory.mktemp("pairs"))
