@@ -96,9 +96,7 @@ class Runner:
         result = {"id": case_id(case), "case": case, "bound": self.matrix.bound(case)}
         if first.returncode != 0:
             result |= _judge_refusal(first, rules)
-        elif rules:
-            result |= {"outcome": "bug", "why": f"trained, but a rule refuses it: {rules[0].says}"}
-        else:
+        else:  # a rule may refuse its resume, not its first launch
             result |= self._judge_trained(case, out)
         result["seconds"] = round(time.perf_counter() - started, 1)
         return result
@@ -108,9 +106,10 @@ class Runner:
             target = self.matrix.raw["resume_on"][case["resume"]][case["layout"]]
             ranks = 1 if case["resume"] == "world" else None
             second = self._launch(case, target, out, ranks=ranks)
-            if second.returncode != 0:
-                said = _one_line(second)
-                return {"outcome": "bug", "why": f"the resume on {target} failed: {said}"}
+            if second.returncode != 0:  # a resume refused, as a rule may say, or a bug
+                return _judge_refusal(second, self.matrix.refusals(case))
+        if self.matrix.refusals(case):
+            return {"outcome": "bug", "why": "trained, but a rule refuses it"}
         losses = _losses(out)
         reference = self._reference(case)
         steps = int(self.matrix.raw["steps"])
@@ -171,7 +170,8 @@ def _judge_refusal(done: subprocess.CompletedProcess, rules) -> dict:
     line = _one_line(done)
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")]
     codes = set(rank_exit_codes(done))
-    if len(errors) != 1 or "Traceback" in done.stderr or codes != {2}:
+    # every rank refuses with 2; a launcher may have stopped a slower one first (SIGTERM)
+    if len(errors) != 1 or "Traceback" in done.stderr or 2 not in codes or codes - {2, -15}:
         return {"outcome": "bug", "why": f"failed (ranks exited {sorted(codes)}): {line}"}
     if not rules:
         return {"outcome": "bug", "refusal": line, "why": "refused, but no rule expects it"}

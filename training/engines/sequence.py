@@ -44,6 +44,9 @@ class SequenceParallel:
             )
             set_sequence_parallel(model, self._attend)
         else:  # transformers' own attention: DeepSpeed swaps the "sdpa" function for its wrapper
+            text = model.config.get_text_config()
+            if getattr(text, "head_dim", None) is None:  # DeepSpeed sizes its buffers by it
+                text.head_dim = text.hidden_size // text.num_attention_heads  # (Mixtral: None)
             UlyssesSPAttentionHF.register_with_transformers(
                 model,
                 core_attn_implementation="sdpa",

@@ -32,7 +32,8 @@ def check_parallel(
 ) -> None:
     """What tensor, sequence and expert parallelism need of the model (settings/parallel.py)."""
     if parallel.expert_size(cfg) != 1:
-        parallel.check_experts(parallel.expert_size(cfg), layout.data, model_cfg, cfg_path)
+        pattern = cfg.get("expert_parallel", {}).get("moe_layer_pattern")
+        parallel.check_experts(parallel.expert_size(cfg), layout.data, model_cfg, cfg_path, pattern)
         check_shared_expert(model_cfg, parallel.expert_size(cfg), cfg_path)
     if layout.tensor == 1 and layout.sequence == 1:
         return

@@ -59,10 +59,15 @@ def expert_size(cfg: dict) -> int:
     return section.get("autoep_size", 1)
 
 
-def check_experts(ep: int, data_parallel: int, model_cfg, source: str) -> None:
+# The MoE layers of zerostack's own model, as ds_configs/moe_ep2.json names them for AutoEP.
+OUR_MOE_LAYERS = r"layers\.\d+\.feed_forward"
+
+
+def check_experts(ep: int, data_parallel: int, model_cfg, source: str, pattern=None) -> None:
     """One ConfigError line for an expert-parallel size the run cannot have: not a positive
-    integer, not dividing the data-parallel ranks, for a model without experts, or leaving a
-    rank without an expert or with a share of one."""
+    integer, not dividing the data-parallel ranks, for a model without experts, leaving a
+    rank without an expert or with a share of one, or a layer pattern (`pattern`, the section's
+    moe_layer_pattern) naming our model's layers for another model, where AutoEP finds none."""
     if not sections.is_whole(ep, 1):
         raise ConfigError(f"{source}: expert_parallel.autoep_size must be a positive integer")
     if data_parallel % ep:
@@ -73,6 +78,14 @@ def check_experts(ep: int, data_parallel: int, model_cfg, source: str) -> None:
     experts = getattr(model_cfg, "num_experts", None)
     if model_cfg is not None and not experts:
         raise ConfigError(f"{source}: expert_parallel is enabled for a model without experts")
+    kind = getattr(model_cfg, "model_type", None)
+    if pattern == OUR_MOE_LAYERS and kind not in (None, "zerostack_moe"):
+        raise ConfigError(
+            f"{source}: expert parallelism with a {kind} folder: the config's moe_layer_pattern "
+            f"{pattern!r} names zerostack's MoE layers, and AutoEP would find none in it; set "
+            "expert_parallel.moe_layer_pattern and preset_model for its layers, or use "
+            "ds_configs/zero2.json"
+        )
     if experts and (ep > experts or experts % ep):
         raise ConfigError(
             f"{source}: expert_parallel.autoep_size={ep} cannot share the model's {experts} "
