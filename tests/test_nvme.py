@@ -72,9 +72,13 @@ def _config(tmp, name: str) -> str:
 @pytest.fixture(scope="module")
 def nvme_runs(tiny_data, tmp_path_factory):
     """The wide model, 4 steps saving at 2 and 4, under zero3_nvme (swap folder: the default
-    RUN/nvme_swap) and zero3_offload (the same CPU Adam, states in memory). About 3 minutes the
-    first time on 2 cores, most of it DeepSpeed building its async_io op (cached after that in
-    the torch extensions folder); shared by every test of this module."""
+    RUN/nvme_swap) and zero3_offload (the same CPU Adam, states in memory), both gathering
+    parameters module by module: NVMe keeps --zero3-whole-blocks off, and with whole blocks the
+    offload run's fp32 gradients would differ in the last bits (autograd adds a block's
+    residual-stream gradients in another grouping; engines/ds.py: gather_blocks_whole), which
+    Adam's first steps magnify where a gradient is near its eps. About 3 minutes the first time
+    on 2 cores, most of it DeepSpeed building its async_io op (cached after that in the torch
+    extensions folder); shared by every test of this module."""
     if why := _aio_missing():
         pytest.skip(why)
     base = tmp_path_factory.mktemp("nvme")
@@ -87,7 +91,7 @@ def nvme_runs(tiny_data, tmp_path_factory):
         launch(
             ["--data", str(tiny_data), "--out", str(out[name]), "--model", str(model)]
             + [*WIDE_RUN, "--save-every", "2", "--keep-last", "0"]
-            + ["--ds_config", _config(base, name)],
+            + ["--ds_config", _config(base, name), "--zero3-whole-blocks", "off"],
             timeout=1200,
         )
     return out
@@ -124,6 +128,8 @@ def _losses(run, key: str = "loss") -> dict[int, float]:
 def test_nvme_checkpoint_reads_its_swap_files(nvme_runs, tmp_path):
     nvme, offload = nvme_runs["zero3_nvme"], nvme_runs["zero3_offload"]
     assert not (nvme / "nvme_swap").exists()  # the default swap folder went with the run
+    for run in (nvme, offload):  # the same gathers, so the same arithmetic (nvme_runs)
+        assert json.loads((run / "resolved_config.json").read_text())["zero3_blocks_whole"] is False
     assert _losses(nvme) == pytest.approx(_losses(offload), rel=1e-6, abs=0)
     src = _step(nvme, 4)
     swapped = {p.name for p in (src / "offloaded_tensors" / "rank01").iterdir()}

@@ -34,9 +34,12 @@ from training.settings.ds_config import zero_stage
 def gather_blocks_whole(model) -> bool:
     """Make each transformer block (the classes the model lists in `_no_split_modules`) one unit
     for ZeRO-3: gathered and released whole, with one pair of hooks instead of one per linear
-    layer and norm (`deepspeed.utils.set_z3_leaf_modules`); the losses are bit for bit the
-    same. Where it is on is --zero3-whole-blocks (training/preflight/switches.py). Returns
-    whether the model has such blocks."""
+    layer and norm (`deepspeed.utils.set_z3_leaf_modules`). In bf16 the losses are bit for bit
+    the same; in fp32 they differ in the last bits: DeepSpeed's per-module hooks pass a
+    norm's input through an autograd function of their own, so without them autograd adds the
+    gradients of a block's residual stream in another grouping (tests/test_train.py). Where it
+    is on is --zero3-whole-blocks (training/preflight/switches.py). Returns whether the model
+    has such blocks."""
     classes = list({type(m) for m in transformer_blocks(model)})
     if classes:
         set_z3_leaf_modules(model, classes)
