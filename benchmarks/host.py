@@ -20,11 +20,24 @@ def host_class() -> str:
     """The CPU's model, ATen's vector level, whether oneDNN runs bf16 natively, and any variable
     that holds them below the hardware's."""
     held = [f"{k}={os.environ[k]}" for k in EMULATION_VARS if os.environ.get(k)]
-    bf16 = "yes" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
-    line = f"{cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, bf16 units {bf16}"
+    line = f"{cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, bf16 units {bf16_units()}"
     line += f" (emulated: {' '.join(held)})" if held else ""
     gpus = accelerators()  # a GPU host: the CPU alone does not say what ran
     return f"{line}; {gpus}" if gpus else line
+
+
+def bf16_units() -> str:
+    """Whether the CPU has bf16 units: "yes" where oneDNN runs bf16 on its own bf16
+    instructions (AVX512-BF16, AMX), "emulated" where it runs bf16 without them (AVX512 CPUs before Cooper Lake: several times
+    slower than fp32), "no" where it does not run bf16 (AVX2, or held there)."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "no"
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:  # not Linux: oneDNN's word
+        return "yes"
+    flags = set(text.split())
+    return "yes" if {"avx512_bf16", "amx_bf16"} & flags else "emulated"
 
 
 def accelerators() -> str | None:
