@@ -442,3 +442,22 @@ def test_the_stock_peer_is_transformers_llama_with_our_weights():
     x = torch.randint(0, 512, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(theirs(x).logits, ours(x).logits, atol=2e-5, rtol=1e-4)
+
+
+def test_ddp_turns_buffer_sync_off_under_the_name_the_installed_torch_takes(monkeypatch):
+    """torch 2.13 names it forward_sync_buffers; torch 2.11 (a GPU image's) knows only
+    broadcast_buffers and refused the newer name, which ended every DDP run there."""
+    import inspect
+
+    from training.engines import ddp
+
+    takes = inspect.signature(ddp.DistributedDataParallel.__init__).parameters
+    name = "forward_sync_buffers" if "forward_sync_buffers" in takes else "broadcast_buffers"
+    assert ddp._no_buffer_sync() == {name: False}
+
+    class OlderDDP:
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, bucket_cap_mb=None):
+            pass
+
+    monkeypatch.setattr(ddp, "DistributedDataParallel", OlderDDP)
+    assert ddp._no_buffer_sync() == {"broadcast_buffers": False}

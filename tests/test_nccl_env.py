@@ -13,7 +13,7 @@ def test_an_nccl_run_gets_error_handling_and_a_trace_in_its_run_folder(tmp_path)
     assert want["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert want["TORCH_NCCL_PROPAGATE_ERROR"] == "1"
     assert (
-        want["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(want["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+        want["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(want["TORCH_FR_BUFFER_SIZE"]) > 0
     )
     assert want[nccl_env.TRACE_FILE].startswith(str(tmp_path / "run" / "nccl_trace"))
 
@@ -23,6 +23,10 @@ def test_the_users_values_win_and_gloo_runs_get_nothing(tmp_path):
     want = nccl_env.wanted("nccl", env, tmp_path)
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in want and nccl_env.TRACE_FILE not in want
     assert nccl_env.wanted("gloo", {}, tmp_path) == {}
+    # the flight recorder's size set under torch's older name (which torch warns about) stays
+    assert "TORCH_FR_BUFFER_SIZE" not in nccl_env.wanted(
+        "nccl", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"}, tmp_path
+    )
     assert nccl_env.in_effect("gloo") is None
 
 

@@ -4,6 +4,8 @@ micro-steps). The checkpoint is two plain files written by rank 0."""
 
 from __future__ import annotations
 
+import inspect
+
 from pathlib import Path
 
 import torch
@@ -37,7 +39,9 @@ class DDPEngine(NativeEngine):
             # under no_sync, which accumulation does.)
             find_unused_parameters=False,
             bucket_cap_mb=self.bucket_mb,
-            forward_sync_buffers=False,  # the model has no buffers that change in training
+            # the model has no buffers that change in training; torch before 2.13 names it
+            # broadcast_buffers (still accepted, deprecated after)
+            **_no_buffer_sync(),
         )
 
     def _no_sync(self):
@@ -84,3 +88,10 @@ class DDPEngine(NativeEngine):
 def load_full_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     sd = torch.load(Path(folder) / MODEL_FILE, map_location="cpu", weights_only=True)
     return {k: v.float() for k, v in sd.items()}
+
+
+def _no_buffer_sync() -> dict:
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}

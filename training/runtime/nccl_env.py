@@ -15,9 +15,11 @@ DEFAULTS = {
     # instead of waiting out the timeout
     "TORCH_NCCL_PROPAGATE_ERROR": "1",
     # the flight recorder: each rank keeps its last collectives, written out on a timeout
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_FR_BUFFER_SIZE": "2000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
 }
+# Older names torch still reads (and warns about): a user who set one keeps it.
+OLD_NAMES = {"TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE"}
 TRACE_FILE = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"  # where the dumps go: a prefix, rank appended
 
 
@@ -27,7 +29,7 @@ def wanted(backend: str, env: dict, run_dir: Path) -> dict[str, str]:
     if backend != "nccl":
         return {}
     want = {**DEFAULTS, TRACE_FILE: str(Path(run_dir) / "nccl_trace" / "rank_")}
-    return {k: v for k, v in want.items() if k not in env}
+    return {k: v for k, v in want.items() if k not in env and OLD_NAMES.get(k) not in env}
 
 
 def apply(backend: str, run_dir: Path) -> dict[str, str]:
