@@ -29,7 +29,7 @@ def wanted(backend: str, env: dict, run_dir: Path) -> dict[str, str]:
     if backend != "nccl":
         return {}
     want = {**DEFAULTS, TRACE_FILE: str(Path(run_dir) / "nccl_trace" / "rank_")}
-    return {k: v for k, v in want.items() if k not in env and OLD_NAMES.get(k) not in env}
+    return {k: v for k, v in want.items() if k not in env and OLD_NAMES.get(k, k) not in env}
 
 
 def apply(backend: str, run_dir: Path) -> dict[str, str]:
