@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.gpu_report import section as gpu_check
 from benchmarks.reliability_tables import (
     checkpoint_gpu,
     checkpoint_quiet,
@@ -118,6 +119,7 @@ SECTIONS = [
     Section("soak", "docs/reliability.md", soak),
     Section("spike_guard", "docs/reliability.md", spike_guard),
     Section("engines_3d", "docs/parallelism.md", engines_3d),
+    Section("gpu_check", "docs/gpu.md", gpu_check),
     Section("scale", "docs/scale.md", _scale, *_scale_markers(), ignore=_code_age),
     Section(
         "settings",

@@ -58,12 +58,38 @@ def failure_line(output: str, code: int) -> str:
     return f"{line[:300]} (exit {code})"
 
 
-def run_row(row: Row, a, deadline: float, done: dict) -> dict:
+def start_op_builds(rows: list[Row], out: Path) -> subprocess.Popen | None:
+    """Build the DeepSpeed ops the rows load in one background process from the check's start
+    (its output in logs/ops_build.log); a row that needs them waits for it (wait_for_ops)."""
+    names = sorted({r.ops for r in rows if r.ops})
+    if not names:
+        return None
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    log = open(out / "logs" / "ops_build.log", "w")
+    argv = [sys.executable, str(REPO / "tests" / "scripts" / "build_ops.py"), *names]
+    return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for_ops(build: subprocess.Popen | None, deadline: float) -> dict:
+    """The seconds a row waited for the background build (on the check's deadline at most)."""
+    if build is None:
+        return {}
+    t = time.monotonic()
+    try:
+        build.wait(timeout=max(1.0, deadline - t))
+    except subprocess.TimeoutExpired:
+        pass
+    return {"ops_wait_s": round(time.monotonic() - t, 1), "ops_build_exit": build.poll()}
+
+
+def run_row(row: Row, a, deadline: float, done: dict, build=None) -> dict:
     """Run a row within its budget and the check's deadline; its result, never an exception."""
     result = {"name": row.name, "what": row.what, "budget_s": row.budget_s}
     why_not = skip_reason(row, deadline, done)
     if why_not:
         return {**result, "status": "skipped", "reason": why_not}
+    if row.ops:  # the wait is not the row's: its budget starts once the op is built
+        result |= wait_for_ops(build, deadline)
     t = time.monotonic()
     for path in (row.figures, *[v for k, v in row.paths.items() if k in ("sync", "bg")]):
         if path:
@@ -146,19 +172,27 @@ def check_logits(row: Row, left: float) -> dict:
 
 
 def check_async(row: Row, left: float) -> dict:
-    """The background-save run, resumed, against the synchronous one: the loss of every step
-    (bitwise, else within a relative 1e-3: a GPU kernel may sum in another order) and the files
-    of the checkpoint both saved before the resume."""
+    """The background-save run, resumed, against the synchronous one: the losses up to the
+    first step after the resume (bitwise, else within a relative 1e-3: a GPU kernel may sum in
+    another order), and the files of the checkpoint both saved before the resume. Later steps
+    are reported, not judged: on an H200 two runs of the same code had gradient norms apart
+    from step 2, and by step 6 losses 1.1e-3 apart, resumed or not."""
     sync, bg = (losses(Path(row.paths[k])) for k in ("sync", "bg"))
     if sorted(sync) != sorted(bg):
         return {"failed": f"steps differ: synchronous {sorted(sync)}, background {sorted(bg)}"}
     diffs = {s: abs(sync[s] - bg[s]) / max(abs(sync[s]), 1e-9) for s in sync}
-    worst = max(diffs.values(), default=0.0)
-    detail = {"steps": len(sync), "bitwise": worst == 0.0, "max_rel_loss_diff": worst}
+    judged = [d for s, d in diffs.items() if s <= row.paths["step"] + 1]
+    worst = max(judged, default=0.0)
+    detail = {"steps": len(sync), "judged_steps": len(judged), "max_rel_loss_diff": worst}
+    detail["bitwise"] = max(diffs.values(), default=0.0) == 0.0
+    detail["max_rel_loss_diff_later"] = max(diffs.values(), default=0.0)
     files = [checkpoint_files(Path(row.paths[k]), row.paths["step"]) for k in ("sync", "bg")]
     detail["checkpoint_files_equal"] = files[0] == files[1]
     if worst > 1e-3:
-        detail["failed"] = f"losses differ by up to {worst:.2e} (relative) from the synchronous run"
+        detail["failed"] = (
+            f"losses through the first step after the resume differ by up to {worst:.2e} "
+            "(relative) from the synchronous run"
+        )
     elif not files[0] or files[0] != files[1]:
         detail["failed"] = (
             f"step {row.paths['step']}'s checkpoint files differ: {files[0]} against {files[1]}"
@@ -235,9 +269,10 @@ def run_check(a) -> dict:
         f"gpu_check: {doc['environment'].get('device')}, {len(rows)} rows, {a.budget} s", flush=True
     )
     done: dict[str, str] = {}
+    build = start_op_builds(rows, a.out)
     for row in rows:
         print(f"gpu_check: {row.name} (budget {row.budget_s} s) ...", flush=True)
-        result = run_row(row, a, deadline, done)
+        result = run_row(row, a, deadline, done, build)
         done[row.name] = result["status"]
         doc["rows"].append(result)
         doc["wall_s"] = round(time.monotonic() - start, 1)
@@ -247,6 +282,8 @@ def run_check(a) -> dict:
         )
         (a.out / "gpu_check.json").write_text(json.dumps(doc, indent=1))
         (a.out / "gpu_check.md").write_text(render(doc))
+    if build is not None and build.poll() is None:
+        build.kill()
     return doc
 
 

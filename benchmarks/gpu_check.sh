@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The one command to run on a lent GPU machine, from the repo root, with .whl/ carried (filled
 # beforehand by benchmarks/gpu_wheels.sh): installs the wheels beside the image's packages, then
-# runs every row of benchmarks/gpu_check.py within 8 minutes. Results (gpu_check.json,
+# runs every row of benchmarks/gpu_check.py within 9 minutes. Results (gpu_check.json,
 # gpu_check.md, logs/) go to $OUT, else gpu_check_out/. Extra arguments go to the driver.
-#   bash benchmarks/gpu_check.sh [--rows zero2,ddp] [--budget 480]
+#   bash benchmarks/gpu_check.sh [--rows zero2,ddp] [--budget 540]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}

@@ -1,4 +1,5 @@
-"""The GPU check's JSON as a markdown table: one line per row with its result and figures.
+"""The GPU check's JSON as a markdown table: one line per row with its result and figures;
+and docs/gpu.md's table of the last device's check, drawn from its raw files.
 
 python -m benchmarks.gpu_report gpu_check_out/gpu_check.json > gpu_check.md
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 COLUMNS = "| row | what ran | result | tokens/s | MFU | peak mem GB | wall s | note |"
 
@@ -56,11 +58,51 @@ def note(r: dict) -> str:
         bf16 = f", bf16 {g['max_diff_bf16']:.2g}" if "max_diff_bf16" in g else ""
         return f"logits on {g['device']}: fp32 max diff {g['max_diff_fp32']:.2g}{bf16}"
     if "max_rel_loss_diff" in r:
-        same = "bitwise equal" if r["bitwise"] else f"within {r['max_rel_loss_diff']:.1e}"
-        return f"{r['steps']} steps' losses {same}; checkpoint files equal"
+        if r["bitwise"]:
+            return f"{r['steps']} steps' losses bitwise equal; checkpoint files equal"
+        judged = r.get("judged_steps", r["steps"])
+        later = r.get("max_rel_loss_diff_later")
+        rest = f", all {r['steps']} within {later:.1e}" if later is not None else ""
+        return (
+            f"{judged} steps' losses within {r['max_rel_loss_diff']:.1e}{rest}; "
+            "checkpoint files equal"
+        )
     if "final_loss" in r:
         return f"final loss {r['final_loss']:.3f}"
     return ""
+
+
+def section(results: Path) -> str:
+    """docs/gpu.md's table: the newest folder under results/gpu/, whose files are the device's
+    runs of the check in order (NAME.json); each row as its first run that succeeded, else its
+    last try, with the file it came from: a row rerun after a fix shows the rerun and names it."""
+    folders = sorted(results.glob("gpu/*/"), key=lambda f: _doc(f, 0).get("date", ""))
+    if not folders:
+        return "No raw result committed yet: `bash benchmarks/gpu_check.sh` on a GPU machine."
+    runs = sorted(folders[-1].glob("*.json"))
+    latest: dict[str, tuple[dict, str]] = {}
+    for f in runs:
+        for r in json.loads(f.read_text())["rows"]:
+            before = latest.get(r["name"], ({"status": "skipped"},))[0]["status"]
+            if r["name"] not in latest or (before != "ok" and r["status"] != "skipped"):
+                latest[r["name"]] = (r, f.name)
+    env, first = _doc(folders[-1], 0).get("environment", {}), _doc(folders[-1], 0)
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "deepspeed", "transformers") if env.get(k))
+    head = COLUMNS.replace(" note |", " note | raw file |")
+    lines = [
+        f"{env.get('device', '?')}, {first.get('date', '')[:10]}; {versions}. "
+        f"From `benchmarks/results/gpu/{folders[-1].name}/`.",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    lines += [table_line(r)[:-1] + f"| {file} |" for r, file in latest.values()]
+    return "\n" + "\n".join(lines) + "\n"
+
+
+def _doc(folder: Path, i: int) -> dict:
+    files = sorted(folder.glob("*.json"))
+    return json.loads(files[i].read_text()) if files else {}
 
 
 def _num(x, fmt: str) -> str:

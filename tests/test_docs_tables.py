@@ -57,6 +57,10 @@ PLANTS = {
         "spike_guard.json",
         lambda d: d["false_positives"][0]["replayed_log_norm"]["6.0"].append(400),
     ),
+    "gpu_check": (
+        "gpu/h200_2026-11-28/1_all_rows.json",
+        lambda d: d["rows"][3].update(tokens_per_s=9999.0),
+    ),
     "scale": (
         "scale.json",
         lambda d: d["350M:zero2:1024"]["train"].update(tokens_per_s=999.0),
