@@ -26,7 +26,12 @@ from models.llama import (
     set_sequence_parallel,
     set_z_loss,
 )
-from models.moe import ZeroStackMoeForCausalLM, router_metrics, take_router_totals
+from models.moe import (
+    ZeroStackMoeForCausalLM,
+    router_metrics,
+    take_router_totals,
+    takes_router_group,
+)
 from models.pipeline import (
     model_state_dict_to_pipeline,
     pipeline_loss,
@@ -64,6 +69,7 @@ __all__ = [
     "set_z_loss",
     "set_sequence_parallel",
     "take_router_totals",
+    "takes_router_group",
     "to_llama_config",
     "to_llama_state_dict",
     "transformer_blocks",

@@ -115,37 +115,77 @@ class RouterStats:
 
 
 def router_stats(
-    router_logits: list[torch.Tensor], top_k: int, real: torch.Tensor | None = None
+    router_logits: list[torch.Tensor],
+    top_k: int,
+    real: torch.Tensor | None = None,
+    group=None,
 ) -> RouterStats:
     """Per layer, over its real tokens: the load-balancing loss E * sum_e f_e * P_e, f_e the share
     of the layer's top-k assignments that went to expert e (its sum is k) and P_e the expert's
     mean router probability (k at perfect balance), and the z-loss, the mean of
     logsumexp(logits)^2; each averaged over the layers. `router_logits`: each layer's (tokens, E);
     `real`: (tokens,) or any shape of as many, True for a token of the batch, False for padding,
-    which counts in neither f_e nor P_e nor the tokens per expert; None: every token."""
+    which counts in neither f_e nor P_e nor the tokens per expert; None: every token.
+
+    `group`: the ranks holding the other slices of the same sequences (sequence parallelism).
+    f_e, the token counts and the means' denominators are then the group's, and the losses are
+    this rank's share (its own probabilities over the group's tokens): the shares add up over the
+    group to the losses of the whole sequences, and so do their gradients. Each slice's own
+    losses would not: the loss is a product of two means. The tokens per expert stay this
+    rank's own."""
     num_experts = router_logits[0].shape[-1]
     weight = None if real is None else real.reshape(-1, 1).float()
-    aux, z, counts = [], [], []
+    tokens, probs, lse = [], [], []
     for logits in router_logits:
         logits = logits.reshape(-1, num_experts)
         index = logits.topk(top_k, dim=-1).indices
-        probs = logits.softmax(dim=-1)
-        lse = torch.logsumexp(logits, dim=-1).square()
+        p = logits.softmax(dim=-1)
+        z = torch.logsumexp(logits, dim=-1).square()
         if weight is None:
-            n = logits.shape[0]
-            tokens = torch.bincount(index.reshape(-1), minlength=num_experts)
-            probs, lse = probs.sum(dim=0), lse.sum()
+            n = torch.tensor(float(logits.shape[0]), device=logits.device)
+            tokens.append(torch.bincount(index.reshape(-1), minlength=num_experts))
+            probs.append(p.sum(dim=0))
+            lse.append(z.sum())
         else:
             w = weight.to(logits.device)
-            n = w.sum().clamp_min(1.0)
+            n = w.sum()
             # padding's assignments go to a bin past the experts, which is dropped
             index = index.masked_fill(w == 0, num_experts)
-            tokens = torch.bincount(index.reshape(-1), minlength=num_experts + 1)[:num_experts]
-            probs, lse = (probs * w).sum(dim=0), (lse * w[:, 0]).sum()
-        aux.append(num_experts * ((tokens.float() / n) * (probs / n)).sum())
-        z.append(lse / n)
-        counts.append(tokens)
-    return RouterStats(torch.stack(aux).mean(), torch.stack(z).mean(), torch.stack(counts))
+            tokens.append(torch.bincount(index.reshape(-1), minlength=num_experts + 1)[:-1])
+            probs.append((p * w).sum(dim=0))
+            lse.append((z * w[:, 0]).sum())
+    own, probs, lse = torch.stack(tokens), torch.stack(probs), torch.stack(lse)
+    counts = own.float()
+    if group is not None:  # one all-reduce: the counts and the denominator, no gradient
+        packed = torch.cat([counts.flatten(), n.reshape(1).float()])
+        torch.distributed.all_reduce(packed, group=group)
+        counts, n = packed[:-1].view_as(counts), packed[-1]
+    n = n.clamp_min(1.0)
+    aux = num_experts * ((counts / n) * (probs / n)).sum(dim=-1)
+    return RouterStats(aux.mean(), (lse / n).mean(), own)
+
+
+def pooled_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, group=None
+) -> torch.Tensor:
+    """transformers' load-balancing loss (`load_balancing_loss_func` of Mixtral, Qwen3-MoE:
+    f_e and P_e over the tokens of every layer pooled, no padding mask), as this rank's share
+    when `group` holds the other slices of the same sequences: the shares add up over the group
+    to the whole sequences' loss, as `router_stats`'s do."""
+    counts = torch.zeros(num_experts, device=router_logits[0].device)
+    probs = torch.zeros(num_experts, device=router_logits[0].device)
+    rows = 0
+    for logits in router_logits:
+        p = logits.float().softmax(dim=-1)
+        index = p.topk(top_k, dim=-1).indices
+        counts = counts + torch.bincount(index.reshape(-1), minlength=num_experts).float()
+        probs = probs + p.sum(dim=0)
+        rows += p.shape[0]
+    packed = torch.cat([counts, torch.tensor([float(rows)], device=counts.device)])
+    if group is not None:
+        torch.distributed.all_reduce(packed, group=group)
+    counts, n = packed[:-1], packed[-1]
+    return num_experts * ((counts / n) * (probs / n)).sum()
 
 
 def real_tokens(targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -198,12 +238,14 @@ class ZeroStackMoeForCausalLM(ZeroStackForCausalLM):
         shift_labels: torch.LongTensor | None = None,
         *args,
         router_mask: torch.Tensor | None = None,
+        router_group=None,
         **kwargs,
     ) -> MoeOutput:
         """As the dense model's forward (models/llama.py), and `router_mask` (batch, seq), True
         for the tokens the router losses and counts take; without it, the ones `attention_mask`
         keeps, else the real tokens of the targets (`real_tokens`) when labels are given, else
-        every token."""
+        every token. `router_group`: the ranks holding the other slices of these sequences
+        (sequence parallelism; `router_stats`)."""
         out = super().forward(input_ids, attention_mask, labels, shift_labels, *args, **kwargs)
         layers = self.moe_layers()
         logits = [m.router_logits for m in layers]
@@ -214,11 +256,14 @@ class ZeroStackMoeForCausalLM(ZeroStackForCausalLM):
             if shift_labels is None:  # as causal_lm_loss shifts them
                 shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
             router_mask = real_tokens(shift_labels, kwargs.get("ignore_index", IGNORE_INDEX))
-        stats = router_stats(logits, self.config.num_experts_per_tok, router_mask)
+        stats = router_stats(logits, self.config.num_experts_per_tok, router_mask, router_group)
         for m in layers:
             m.router_logits = None
+        # logged as means over every rank (training/loop/routers.py): a share times its group's
+        # size averages to the whole sequences' loss
+        size = 1 if router_group is None else torch.distributed.get_world_size(router_group)
         self.router_stats = RouterStats(
-            stats.aux_loss.detach(), stats.z_loss.detach(), stats.tokens_per_expert
+            stats.aux_loss.detach() * size, stats.z_loss.detach() * size, stats.tokens_per_expert
         )
         loss, weighted = out.loss, None
         if self.training:  # summed until the loop takes them (take_router_totals)
@@ -324,10 +369,30 @@ def train_router_losses(model: nn.Module) -> nn.Module:
     return model
 
 
-def _forward_with_router_logits(self, *args, **kwargs):
+def takes_router_group(model: nn.Module) -> bool:
+    """Whether `model`'s forward takes `router_group`: our MoE model's, and an HF MoE model's
+    once `train_router_losses` made it train its router losses."""
+    forward = getattr(model, "forward", None)
+    own = getattr(forward, "__func__", None) is _forward_with_router_logits
+    return isinstance(model, ZeroStackMoeForCausalLM) or own
+
+
+def _forward_with_router_logits(self, *args, router_group=None, **kwargs):
+    """The model's forward with router logits in training; under sequence parallelism
+    (`router_group`: the ranks holding the other slices of these sequences) the load-balancing
+    loss transformers computed on this slice alone is replaced by this rank's share of the whole
+    sequences' (`pooled_balancing_loss`)."""
     if self.training and kwargs.get("output_router_logits") is None:
         kwargs["output_router_logits"] = True
-    return type(self).forward(self, *args, **kwargs)
+    out = type(self).forward(self, *args, **kwargs)
+    if router_group is None or getattr(out, "router_logits", None) is None or out.aux_loss is None:
+        return out
+    experts, k = out.router_logits[0].shape[-1], self.num_experts_per_tok
+    share = pooled_balancing_loss(out.router_logits, experts, k, router_group)
+    if out.loss is not None:
+        out.loss = out.loss + self.router_aux_loss_coef * (share - out.aux_loss)
+    out.aux_loss = share
+    return out
 
 
 AutoConfig.register("zerostack_moe", ZeroStackMoeConfig, exist_ok=True)

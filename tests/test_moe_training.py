@@ -28,6 +28,7 @@ def moe_run(tiny_data, tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # 2 ranks launched
 def test_moe_run_logs_its_routers(moe_run):
     rows = read_metrics(moe_run)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -43,6 +44,7 @@ def test_moe_run_logs_its_routers(moe_run):
     assert resolved["flops_per_token"] == pytest.approx(active)  # MFU on the active parameters
 
 
+@pytest.mark.slow  # 2 ranks launched
 def test_moe_export_loads_as_mixtral_with_the_same_logits_and_tokens(moe_run, tmp_path):
     assert_exports_as_mixtral(moe_run, tmp_path / "hf")
 
@@ -146,6 +148,7 @@ def test_hf_moe_folder_trains(tiny_data, tmp_path, kind):
     assert resolved["model_config"]["output_router_logits"] is False
 
 
+@pytest.mark.slow  # 2 ranks launched
 def test_expert_parallel_step_has_the_one_process_gradient(tmp_path):
     """2 ranks, each holding 2 of the 4 experts (AutoEP, ZeRO-2, fp32), each a half of the
     batch: every gradient, experts' included, is the one-process whole-batch gradient within
@@ -182,6 +185,7 @@ def test_bad_expert_layouts_are_one_line(ep, world, experts, words):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # 2 ranks launched
 def test_train_command_with_expert_parallelism_trains_as_replicated_experts(
     moe_run, tiny_data, tmp_path
 ):
@@ -227,3 +231,17 @@ def test_expert_parallelism_under_zero3_trains_as_under_zero2(moe_run, tiny_data
     with pytest.raises(ExportError, match="expert-parallel checkpoint of ZeRO-3") as e:
         export_report(run, tmp_path / "hf")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # 2 ranks launched
+def test_router_losses_over_a_sequence_parallel_group_add_up_to_the_whole_sequences(tmp_path):
+    """Under Ulysses each rank routes its slice of the sequences; the load-balancing loss is a
+    product of two means over the whole sequences, so each rank's share must use the group's
+    counts (ours: per layer, padding left out; transformers': layers pooled). Before, each slice
+    took its own loss: the sum over the ranks was off by a factor near the group's size."""
+    out = tmp_path / "router_group.json"
+    launch([str(out)], nproc=2, script="tests/scripts/router_group.py")
+    got = json.loads(out.read_text())
+    assert got["ours_loss"] < 1e-12 and got["ours_grad"] < 1e-12 and got["ours_counts_equal"]
+    assert got["pooled_loss"] < 1e-6 and got["pooled_grad"] < 1e-6
+    assert got["slices_alone_loss"] > 0.1  # what the shares replace is far off

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from models import ZeroStackForCausalLM, set_sequence_parallel
+from models import ZeroStackForCausalLM, set_sequence_parallel, takes_router_group
 from models.llama import IGNORE_INDEX
 
 
@@ -57,6 +57,9 @@ class SequenceParallel:
             self._group = parallel_state_sp.get_sequence_parallel_group()
         self.mpu = parallel_state_sp
         self.rank = dist.get_rank(self._group)
+        # an MoE model's load-balancing loss is a product of two means over the whole
+        # sequences: its routers count over the group (models/moe.py router_stats)
+        self._routed = takes_router_group(model)
         # ZeRO-3 averages gradients over every rank of its group, ZeRO 0-2 over the
         # data-parallel replicas only (world / size): scaling ZeRO-3's loss by the group size
         # gives both the gradient of the whole sequence's mean loss (tests/test_parallelism.py).
@@ -84,6 +87,7 @@ class SequenceParallel:
             "shift_labels": mine,
             "position_ids": positions,
             "num_items_in_batch": (y != IGNORE_INDEX).sum(),
+            **({"router_group": self._group} if self._routed else {}),
         }
 
     def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
