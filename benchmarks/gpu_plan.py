@@ -149,7 +149,9 @@ def engine_row(a, name: str, z: dict, steps: int, runs: Path) -> Row:
     args = [*train_flags(a, z["large"], out, z["seq"], z["micro"], steps), *ENGINES[name]]
     what = f"{z['large']}, {name}, seq {z['seq']}, micro-batch {z['micro']}, {steps} steps"
     budget = BUDGETS.get(name, ENGINE_BUDGET)
-    return Row(name, what, budget, [Command("train", args)], figures=str(out), ops=OPS.get(name, ""))
+    return Row(
+        name, what, budget, [Command("train", args)], figures=str(out), ops=OPS.get(name, "")
+    )
 
 
 def async_row(a, z: dict, runs: Path) -> Row:

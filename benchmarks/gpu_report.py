@@ -87,7 +87,9 @@ def section(results: Path) -> str:
             if r["name"] not in latest or (before != "ok" and r["status"] != "skipped"):
                 latest[r["name"]] = (r, f.name)
     env, first = _doc(folders[-1], 0).get("environment", {}), _doc(folders[-1], 0)
-    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "deepspeed", "transformers") if env.get(k))
+    versions = ", ".join(
+        f"{k} {env[k]}" for k in ("torch", "deepspeed", "transformers") if env.get(k)
+    )
     head = COLUMNS.replace(" note |", " note | raw file |")
     lines = [
         f"{env.get('device', '?')}, {first.get('date', '')[:10]}; {versions}. "

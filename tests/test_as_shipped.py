@@ -101,5 +101,5 @@ def test_compiled_zero2_follows_ddp(tiny_data, tmp_path):
     assert records["zero2"]["precision"] == records["ddp"]["precision"]
     ref, ddp = losses(runs["zero2"]), losses(runs["ddp"])
     assert len(ref) == STEPS and ref[-1] < ref[0] - 0.3, ref  # it learns
-    for step, (a, b) in enumerate(zip(ddp, ref), 1):
+    for step, (a, b) in enumerate(zip(ddp, ref, strict=True), 1):
         assert abs(a - b) <= 1e-3 * b, (step, ddp, ref)

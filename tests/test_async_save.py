@@ -169,12 +169,16 @@ def test_background_saves_resume_exactly_like_synchronous_ones(
         sorted((ref / "checkpoints" / tag).rglob("*.pt")),
     )
     assert [p.name for p in mine] == [p.name for p in theirs] and mine
-    for a, b in zip(mine, theirs):  # weights, optimizer partitions, everything a resume loads
+    for a, b in zip(
+        mine, theirs, strict=True
+    ):  # weights, optimizer partitions, everything a resume loads
         ta, tb = (
             _tensors(torch.load(a, weights_only=False)),
             _tensors(torch.load(b, weights_only=False)),
         )
-        assert len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb)), a.name
+        assert len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb, strict=True)), (
+            a.name
+        )
 
 
 SHARDED = {
@@ -209,7 +213,9 @@ def test_sharded_background_saves_resume_exactly_like_synchronous_ones(tiny_data
     mine = sorted(p for n in names for p in (root / tag).rglob(n))
     theirs = sorted(p for n in names for p in (ref / "checkpoints" / tag).rglob(n))
     assert [p.name for p in mine] == [p.name for p in theirs] and mine
-    for a, b in zip(mine, theirs):  # weights, optimizer shards, everything a resume loads
+    for a, b in zip(
+        mine, theirs, strict=True
+    ):  # weights, optimizer shards, everything a resume loads
         if a.suffix == ".distcp":  # DCP's shard files: the same bytes
             assert a.read_bytes() == b.read_bytes(), a.name
             continue
@@ -217,7 +223,9 @@ def test_sharded_background_saves_resume_exactly_like_synchronous_ones(tiny_data
             _tensors(torch.load(a, weights_only=False)),
             _tensors(torch.load(b, weights_only=False)),
         )
-        assert len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb)), a.name
+        assert len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb, strict=True)), (
+            a.name
+        )
 
 
 def _tensors(obj) -> list[torch.Tensor]:

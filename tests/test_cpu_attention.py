@@ -49,7 +49,7 @@ def test_gradients_match_the_fp32_reference(kernel, b, h, kv, t, d):
     sdpa_out.backward(grad)
     ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
     F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=h != kv).backward(grad.float())
-    for name, mine, theirs, exact in zip("qkv", ours, sdpa, ref):
+    for name, mine, theirs, exact in zip("qkv", ours, sdpa, ref, strict=True):
         err, sdpa_err = _rel(mine, exact.grad), _rel(theirs.grad, exact.grad)
         # fp32 accumulation: at least as close as SDPA's bf16 backward, which rounds its
         # accumulators to bf16

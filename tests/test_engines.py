@@ -75,14 +75,14 @@ def test_engines_follow_the_same_trajectory(runs):
     assert len(ref) == STEPS and ref[-1] < ref[0] - 0.5, ref  # it learns
     for name in ENGINES:
         tol = 2.5e-2 if name == "zero0" else 1e-3
-        for step, (a, b) in enumerate(zip(loss[name], ref), 1):
+        for step, (a, b) in enumerate(zip(loss[name], ref, strict=True), 1):
             assert abs(a - b) <= tol * b, (name, step, loss[name], ref)
     # Gradient norms say the gradients themselves agree (a wrong accumulation scale would not
     # show in Adam's updates, but would here).
     for name in ENGINES:  # step 1: the same weights and batch, so the same gradient
         assert abs(norm[name][0] - norm["zero2"][0]) <= 1e-2 * norm["zero2"][0], norm
     for name in ("ddp", "fsdp", "zero1", "zero3"):  # measured within 8%
-        for a, b in zip(norm[name], norm["zero2"]):
+        for a, b in zip(norm[name], norm["zero2"], strict=True):
             assert abs(a - b) <= 0.2 * b, (name, norm[name], norm["zero2"])
     # DeepSpeed's and FSDP2's collectives went through shared memory (every rank on this
     # host); DDP's through gloo.
@@ -178,7 +178,7 @@ def test_fsdp_checkpoint_from_2_ranks_resumes_on_1(runs, stopped, tiny_data, ini
     straight, resumed = read_metrics(runs["fsdp"])[10:], read_metrics(one)
     assert [x["step"] for x in resumed] == list(range(11, STEPS + 1))
     assert [x["tokens"] for x in resumed] == [x["tokens"] for x in straight]
-    for a, b in zip(resumed, straight):
+    for a, b in zip(resumed, straight, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (resumed, straight)
     assert json.loads((one / "resolved_config.json").read_text())["world"] == 1
 

@@ -66,7 +66,9 @@ def test_a_hub_name_builds_the_cached_model_offline(offline):
     model = build_model("zs-test/tiny-llama")
     local = build_model(str(folder))
     assert type(model).__name__ == "ZeroStackForCausalLM"  # a Llama folder trains as our model
-    for (name, a), (_, b) in zip(model.state_dict().items(), local.state_dict().items()):
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), local.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 

@@ -19,7 +19,7 @@ def reference_moe(x, gate_w, gate_up, down, top_k):
         p, idx = torch.sort(probs, descending=True)
         p, idx = p[:top_k] / p[:top_k].sum(), idx[:top_k]
         chosen.append(sorted(idx.tolist()))
-        for w, e in zip(p.tolist(), idx.tolist()):
+        for w, e in zip(p.tolist(), idx.tolist(), strict=True):
             g, u = (gate_up[e] @ x[t]).chunk(2)
             out[t] += w * (down[e] @ (F.silu(g) * u))
     return out, chosen

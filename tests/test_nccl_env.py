@@ -12,9 +12,7 @@ def test_an_nccl_run_gets_error_handling_and_a_trace_in_its_run_folder(tmp_path)
     want = nccl_env.wanted("nccl", {}, tmp_path / "run")
     assert want["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert want["TORCH_NCCL_PROPAGATE_ERROR"] == "1"
-    assert (
-        want["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(want["TORCH_FR_BUFFER_SIZE"]) > 0
-    )
+    assert want["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(want["TORCH_FR_BUFFER_SIZE"]) > 0
     assert want[nccl_env.TRACE_FILE].startswith(str(tmp_path / "run" / "nccl_trace"))
 
 

@@ -70,7 +70,7 @@ def shapes(run, rank):
 def test_tp2_follows_one_rank_and_halves_the_split_layers(runs, name, ref, rel):
     got, want = read_metrics(runs[name]), read_metrics(runs[ref])
     assert len(got) == len(want) == 10
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert close(a["loss"], b["loss"], rel), (losses(runs[name]), losses(runs[ref]))
         assert close(a["grad_norm"], b["grad_norm"], 10 * rel), (a, b)
         assert a["tokens"] == b["tokens"] == 2 * 64 * a["step"]  # one replica: the same batch
@@ -81,7 +81,7 @@ def test_tp2_follows_one_rank_and_halves_the_split_layers(runs, name, ref, rel):
         for param, dims in whole.items():
             # column splits (wq, wk, wv, w1, w3) halve the output features, row splits (wo, w2)
             # the inputs; the norms stay whole on every rank
-            split = [i for i, (a, b) in enumerate(zip(mine[param], dims)) if a != b]
+            split = [i for i, (a, b) in enumerate(zip(mine[param], dims, strict=True)) if a != b]
             if param.endswith("norm.weight"):
                 assert mine[param] == dims
             else:
@@ -109,7 +109,7 @@ def test_tp2_follows_one_rank_and_halves_the_split_layers(runs, name, ref, rel):
 )
 def test_sp2_follows_data_parallel_on_half_the_sequence(runs, name, ref, rel):
     got, want = read_metrics(runs[name]), read_metrics(runs[ref])
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert close(a["loss"], b["loss"], rel), (losses(runs[name]), losses(runs[ref]))
         # ZeRO-3 averages over all ranks, ZeRO-2 over replicas: a wrong scale shows here first
         assert close(a["grad_norm"], b["grad_norm"], 10 * rel), (a, b)
@@ -173,7 +173,7 @@ def test_tp2_continues_a_folder_from_its_exact_weights(tiny_data, tmp_path):
     launch([*common, "--out", str(tmp_path / "one"), "--ds_config", "ds_configs/zero1.json"], 1)
     launch([*common, "--out", str(tmp_path / "tp2"), *TP2], 2)
     got, want = losses(tmp_path / "tp2"), losses(tmp_path / "one")
-    assert all(close(a, b, 2e-3) for a, b in zip(got, want)), (got, want)
+    assert all(close(a, b, 2e-3) for a, b in zip(got, want, strict=True)), (got, want)
 
 
 # ------------------------------------------------------------------------------ guardrails

@@ -50,7 +50,7 @@ def test_pp2_follows_zero0_on_one_rank(runs):
     assert close(pp[0]["loss"], ref[0]["loss"], 1e-4), (pp[0], ref[0])
     assert close(pp[0]["grad_norm"], ref[0]["grad_norm"], 5e-3), (pp[0], ref[0])
     # Then ZeRO-0 accumulates gradients in bf16 and the pipeline in fp32: bf16 drift only.
-    for a, b in zip(pp, ref):
+    for a, b in zip(pp, ref, strict=True):
         assert close(a["loss"], b["loss"], 2e-2), (
             [r["loss"] for r in pp],
             [r["loss"] for r in ref],
@@ -114,7 +114,7 @@ def test_pp2_x_dp2_on_four_ranks_trains_matches_and_exports(runs, tiny_data, tmp
     assert [stage.count("BlockPipe") for stage in resolved["pipeline"]["layers"]] == [1, 1]
     assert resolved["ds_config"]["pipeline"]["activation_checkpoint_interval"] == 1
     four, two, ref = read_metrics(out), read_metrics(runs["pp2"]), read_metrics(runs["zero0"])
-    for a, b, c in zip(four, two, ref):
+    for a, b, c in zip(four, two, ref, strict=True):
         assert a["tokens"] == c["tokens"]
         assert close(a["loss"], b["loss"], 2e-3), (
             [r["loss"] for r in four],

@@ -53,7 +53,7 @@ def test_pp2_x_tp2_follows_zero1_on_one_rank(runs):
     # so the loss is ZeRO-1's up to the order of fp32 sums (tp2 against one rank holds 4.2e-6).
     assert close(got[0]["loss"], want[0]["loss"], 4.2e-6), (got[0], want[0])
     assert close(got[0]["grad_norm"], want[0]["grad_norm"], 1e-5), (got[0], want[0])
-    for a, b in zip(got, want):  # then the same updates: fp32 rounding only
+    for a, b in zip(got, want, strict=True):  # then the same updates: fp32 rounding only
         assert close(a["loss"], b["loss"], 1e-4), (
             [r["loss"] for r in got],
             [r["loss"] for r in want],

@@ -92,12 +92,12 @@ def test_zero_stages_follow_the_same_trajectory(config_runs):
     }
     ref = traj["zero2"]
     for name in ("zero1", "zero3", "zero2_offload", "zero3_offload"):
-        for a, b in zip(traj[name], ref):
+        for a, b in zip(traj[name], ref, strict=True):
             assert abs(a - b) <= 2e-3 * abs(b), (name, traj[name], ref)
-    for a, b in zip(traj["zero0"], ref):
+    for a, b in zip(traj["zero0"], ref, strict=True):
         assert abs(a - b) <= 2e-2 * abs(b), (traj["zero0"], ref)
     # and fp32 sits within bf16 rounding of the bf16 runs
-    for a, b in zip([r["loss"] for r in read_metrics(config_runs["fp32"])], ref):
+    for a, b in zip([r["loss"] for r in read_metrics(config_runs["fp32"])], ref, strict=True):
         assert abs(a - b) <= 2e-2 * abs(b)
 
 
@@ -128,7 +128,7 @@ def test_zero3_tuned_for_one_cpu_host_is_bitwise_the_stock_path(config_runs, tin
     assert steps["tuned"] == steps["gloo"]
     if rec["tuned"]["precision"] != "fp32":
         assert steps["gloo"] == steps["stock"]
-    for a, b in zip(steps["gloo"], steps["stock"]):
+    for a, b in zip(steps["gloo"], steps["stock"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=0), (steps["gloo"], steps["stock"])
 
 
@@ -272,7 +272,7 @@ def test_gradient_accumulation_matches_a_bigger_micro_batch(tiny_data, tmp_path)
         ]
     )
     la, lb = read_metrics(a), read_metrics(b)
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         assert abs(x["loss"] - y["loss"]) < 1e-4 * abs(y["loss"]), (la, lb)
         assert abs(x["grad_norm"] - y["grad_norm"]) < 1e-3 * abs(y["grad_norm"])
 
