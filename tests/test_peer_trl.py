@@ -82,9 +82,7 @@ def test_dpo_loss_equals_trls_dpotrainer_on_the_same_pairs(pairs, tmp_path):
     """TRL's DPOTrainer (its collator, its loss, a reference model other than the policy so the
     loss is not log 2) on the pairs the benchmark hands it, against zerostack's objective on our
     reader's rows of the same pairs: equal within 1e-5 in fp32. Needs TRL, the bench extra."""
-    pytest.importorskip(
-        "trl", reason="TRL (the bench extra, pip install -e '.[bench]') is not installed"
-    )
+    pytest.importorskip("trl", reason="TRL (in the dev extra: bash setup.sh) is not installed")
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig
