@@ -86,6 +86,10 @@ def _bad_files():
             yield f"{section}: {{{s.name}: nonsense}}\n", f"{s.path}: input should be"
         elif kind in (int, float) and section:
             yield f"{section}: {{{s.name}: many}}\n", f"{s.path}: input should be a valid"
+            # a number in quotes is text, as in the DeepSpeed JSON: lax reading took "10" as 10
+            yield f'{section}: {{{s.name}: "10"}}\n', f"{s.path}: input should be a valid"
+        elif kind is bool and section:
+            yield f'{section}: {{{s.name}: "yes"}}\n', f"{s.path}: input should be a valid"
     for name in tree.SECTIONS:
         yield f"{name[:-1]}{name[-1]}s: {{}}\n", f"unknown section '{name}s'"
 
@@ -97,6 +101,14 @@ def test_a_bad_run_file_is_one_line_naming_file_and_setting(tmp_path, text, says
         flags.parse(["--config", path, *BASE])
     line = str(e.value)
     assert "\n" not in line and path in line and says in line, line
+
+
+def test_a_run_files_numbers_are_read_as_yaml_12_does(tmp_path):
+    """3e-4 without a dot is a float (PyYAML's YAML 1.1 reads it as text), an integer is a
+    float where a float is asked, and a switch takes YAML's true/false."""
+    text = "optim: {lr: 3e-4, min_lr_ratio: 0, steps: 10}\ncheckpoint: {async_save: true}\n"
+    c = flags.parse(["--config", write(tmp_path, text), *BASE])
+    assert (c.optim.lr, c.optim.steps, c.checkpoint.async_save) == (3e-4, 10, True)
 
 
 def test_a_missing_run_file_or_required_setting_is_one_line(tmp_path):

@@ -5,7 +5,6 @@ micro-steps). The checkpoint is two plain files written by rank 0."""
 from __future__ import annotations
 
 import inspect
-
 from pathlib import Path
 
 import torch

@@ -41,6 +41,7 @@ def parse(argv: list[str] | None = None) -> RunConfig:
         p.error(f"--report_to {report} contradicts --wandb: give one of them")
     path = given.pop("config", None)
     values = runfile.load(path) if path else {}
+    _strict(values, path)
     by_dest = {s.dest: s for s in settings()}
     for dest, value in given.items():
         values[by_dest[dest].path] = value
@@ -70,6 +71,18 @@ def build(values: dict, source: str | None = None) -> RunConfig:
         raise ConfigError(_one_line(e, source)) from None
 
 
+def _strict(values: dict, source: str | None) -> None:
+    """A run file's values hold their settings' types as they are, as DeepSpeed's JSON is read:
+    "10" is not 10, nor "yes" a switch (the flags' text is converted by argparse, once)."""
+    by_path = {s.path: s for s in settings()}
+    for path, value in values.items():
+        kind = str | None if by_path[path].name == "lora" else by_path[path].kind
+        try:
+            pydantic.TypeAdapter(kind).validate_python(value, strict=True)
+        except pydantic.ValidationError as e:
+            raise ConfigError(_one_line(e, source, path)) from None
+
+
 def _lora(text: str) -> LoraSpec:
     try:
         return parse_lora(text)
@@ -77,9 +90,10 @@ def _lora(text: str) -> LoraSpec:
         raise ConfigError(str(e)) from None
 
 
-def _one_line(error: pydantic.ValidationError, source: str | None) -> str:
+def _one_line(error: pydantic.ValidationError, source: str | None, path: str = "") -> str:
     first = error.errors()[0]
-    path = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function"))
+    inner = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function"))
+    path = path or inner
     by_path = {s.path: s for s in settings()}
     setting = by_path.get(path)
     where = f"{source}: {path}" if source else (setting.flag if setting else path)

@@ -4,14 +4,17 @@ because it is what the field's recipes are written in (axolotl, litgpt, TRL's an
 alignment recipes) and JSON is YAML too: `RUN/resolved_config.json` (its `config`) and
 `RUN/run.yaml`, both written by every run, replay that run when passed back.
 
-Parsing is PyYAML's (`safe_load`: no tags, no code); types, `Literal` choices and nested
-sections are validated by pydantic against the dataclasses themselves. What is written here by
+Parsing is PyYAML's (its safe loader: no tags, no code), with YAML 1.2's floats (`3e-4` is a
+float, where YAML 1.1 reads a string); types, `Literal` choices and nested sections are
+validated strictly by pydantic against the dataclasses themselves (flags.py `build`): a quoted
+`"10"` is not an integer, nor `"yes"` a switch, as in the DeepSpeed JSON. What is written here by
 hand: the unknown-key check with its suggestion, and each error turned into one line naming the
 file and the setting.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -19,6 +22,17 @@ import yaml
 from training.errors import ConfigError
 from training.settings.run_config import Setting, settings
 from training.settings.sections import near
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader, reading 1e-3 and 3E+4 as floats (YAML 1.2) as recipes mean them."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?\.?[0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def load(path: str) -> dict:
@@ -29,7 +43,7 @@ def load(path: str) -> dict:
     if not p.is_file():
         raise ConfigError(f"--config {path}: no such file")
     try:
-        tree = yaml.safe_load(p.read_text())
+        tree = yaml.load(p.read_text(), Loader=_Loader)  # noqa: S506  (a safe loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
