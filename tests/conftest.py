@@ -63,6 +63,7 @@ def launch(
     check: bool = True,
     as_shipped: bool = False,
     forked: bool = True,
+    launcher: str = "torchrun",
 ) -> subprocess.CompletedProcess:
     """Run `script` as `nproc` ranks (a real gloo group on CPU): forked from the suite's rank
     server (tests/forked_ranks.py) where the launch runs in the suite's own environment, or adds
@@ -70,14 +71,18 @@ def launch(
     the server's has already; else, or `forked` False (the test reads torchrun's variables),
     under torchrun. Either way a failed rank stops the run as torchrun stops it, and
     `rank_exit_codes` reads what the failed ranks exited with. `as_shipped`: the trainer's
-    defaults as a user gets them (compiled blocks on a CPU included)."""
+    defaults as a user gets them (compiled blocks on a CPU included). `launcher`: "torchrun" or
+    "deepspeed", the launcher run, or whose ranks the forked ones look like.
+    ZEROSTACK_TEST_LAUNCHED=1 runs every launch under its real launcher (tests/forked_ranks.py
+    says what differs)."""
     from forked_ranks import SERVER_ENV
 
     env = env or {}
     program = [script, *train_args(args, script, as_shipped)]
-    cmd = launcher_command("torchrun", nproc, program, port=free_port(), python=PY)
+    cmd = launcher_command(launcher, nproc, program, port=free_port(), python=PY)
+    forked = forked and os.environ.get("ZEROSTACK_TEST_LAUNCHED") != "1"
     if forked and all(k.startswith("ZEROSTACK_") or SERVER_ENV.get(k) == v for k, v in env.items()):
-        p, timed_out = _forked(program, nproc, timeout, cmd, env)
+        p, timed_out = _forked(program, nproc, timeout, cmd, env, launcher)
     else:
         p, timed_out = run_marked(cmd, cwd=REPO, timeout=timeout, env=env)
     if timed_out:
@@ -94,7 +99,9 @@ def launch(
 _SERVER: list = []  # the rank server, started on first use
 
 
-def _forked(program: list[str], nproc: int, timeout: float, cmd: list[str], env=None):
+def _forked(
+    program: list[str], nproc: int, timeout: float, cmd: list[str], env=None, launcher="torchrun"
+):
     """(the run as a CompletedProcess, whether it timed out), its ranks forked by the server;
     its return code is torchrun's: 1 when a rank failed."""
     import tempfile
@@ -105,7 +112,7 @@ def _forked(program: list[str], nproc: int, timeout: float, cmd: list[str], env=
         _SERVER.append(Server())
     with tempfile.TemporaryDirectory() as tmp:
         failures, out, err, timed_out = _SERVER[0].run(
-            program[0], program[1:], nproc, free_port(), Path(tmp) / "rank", timeout, env
+            program[0], program[1:], nproc, free_port(), Path(tmp) / "rank", timeout, env, launcher
         )
     p = subprocess.CompletedProcess(cmd, 1 if failures else 0, out, err)
     p.failures = failures
