@@ -7,7 +7,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -129,8 +132,8 @@ def test_a_bad_lora_spec_is_refused_before_any_work(tmp_path):
 
 # ---------------------------------------------------------------------- --help and the reference
 def _help_sections() -> dict[str, str]:
-    """--help's text of each group, by title."""
-    text = flags.parser().format_help()
+    """--help-all's text of each group, by title."""
+    text = flags.parser(full=True).format_help()
     parts = {}
     titles = ["run", *(t for t, _ in GROUPS), "other spellings"]
     for i, title in enumerate(titles):
@@ -153,6 +156,25 @@ def test_help_lists_every_setting_in_its_group_with_its_default():
         squeeze = lambda text: "".join(text.split())  # noqa: E731  (argparse wraps at hyphens)
         assert squeeze(said).startswith(squeeze(f"(default: {flags.default_text(s)})")), s.flag
     assert list(parts)[-2] == "host tuning"  # the machine's knobs come last
+
+
+def test_help_fits_a_screen_and_help_all_has_the_rest(tmp_path):
+    """`train.py --help` at 80 columns: the common settings in their groups, each flag once,
+    in at most 120 lines; --help-all every setting; an alias --help leaves out still works."""
+    env = {**os.environ, "COLUMNS": "80"}
+    run = [sys.executable, "training/train.py"]
+    short = subprocess.run([*run, "--help"], cwd=REPO, env=env, capture_output=True, text=True)
+    lines = short.stdout.splitlines()
+    assert short.returncode == 0 and len(lines) <= 120, len(lines)
+    by_path = {s.path: s for s in settings()}
+    for path in flags.COMMON:
+        assert by_path[path].flag in short.stdout, path
+    assert "--max_steps" not in short.stdout and "--help-all" in short.stdout
+    full = subprocess.run([*run, "--help-all"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert full.returncode == 0
+    for s in settings():
+        assert s.hidden or s.flag in full.stdout, s.flag
+    assert flags.parse([*BASE, "--max_steps", "7"]).optim.steps == 7
 
 
 def test_the_settings_reference_is_rendered_from_the_tree():

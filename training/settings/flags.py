@@ -100,15 +100,41 @@ def _one_line(error: pydantic.ValidationError, source: str | None, path: str = "
     return f"{where}: {first['msg'].lower()}, got {first.get('input')!r}"
 
 
-def parser() -> argparse.ArgumentParser:
+# The settings --help shows (with --config), the 35 a user reaches for first; --help-all (and docs/settings.md)
+# has every one. The rest are accepted all the same.
+COMMON = frozenset({
+    "out", "data.path", "data.seq_len", "model.name", "model.lora",
+    "model.activation_checkpointing", "model.compile", "optim.steps", "optim.micro_batch",
+    "optim.grad_accum", "optim.global_batch", "optim.lr", "optim.min_lr_ratio", "optim.warmup",
+    "optim.weight_decay", "optim.grad_clip", "optim.seed", "optim.objective", "optim.dpo_beta",
+    "checkpoint.save_every", "checkpoint.keep_last", "checkpoint.async_save",
+    "checkpoint.resume", "engine.backend", "engine.ds_config", "engine.precision",
+    "engine.pipeline_stages", "eval.every", "eval.samples", "followups.export_every",
+    "followups.eval_tasks", "logging.every", "logging.wandb", "logging.run_name", "host.force",
+})  # fmt: skip
+USAGE = "%(prog)s --data DATA --out OUT [--config FILE] [settings ...]"
+
+
+def parser(full: bool = False) -> argparse.ArgumentParser:
     """The command line of training/train.py, generated from the tree. Every default is
     SUPPRESS: what argparse returns is what was given, so a run file's values stand unless a
-    flag overrides them; --help says each setting's default."""
+    flag overrides them; --help says each setting's default. `full`: --help lists every
+    setting (--help-all), not only COMMON's."""
+    shown = None if full else COMMON
+    more = sum(1 for s in settings() if not s.hidden and s.path not in COMMON)
     p = argparse.ArgumentParser(
         description=DESCRIPTION,
+        usage=USAGE,
+        epilog=None
+        if full
+        else f"{more} more settings (engine and host tuning, the spike guard and rollback, "
+        "follow-up jobs, other spellings): --help-all; every one: docs/settings.md",
         allow_abbrev=False,
         argument_default=argparse.SUPPRESS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--help-all", action=_HelpAll, nargs=0, help="every setting, with its default, and exit"
     )
     run = p.add_argument_group("run")
     run.add_argument(
@@ -121,21 +147,30 @@ def parser() -> argparse.ArgumentParser:
     for s in settings():
         by_section.setdefault(s.section, []).append(s)
     for s in by_section.pop(""):
-        _add(run, s)
+        _add(run, s, shown)
     for title, sections in GROUPS:
         group = p.add_argument_group(title)
         for section in sections:
             for s in by_section[section]:
-                _add(group, s)
-    _add_spellings(p)
+                _add(group, s, shown)
+    _add_spellings(p, full)
     return p
 
 
-def _add(group, s: Setting) -> None:
+class _HelpAll(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        globals()["parser"](full=True).print_help()  # on stdout, as --help
+        parser.exit()
+
+
+def _add(group, s: Setting, shown: frozenset | None = None) -> None:
     kind, choices = base_type(s.kind)
     kw: dict = {"dest": s.dest}
-    if s.hidden:
+    if s.hidden or (shown is not None and s.path not in shown):
         kw["help"] = argparse.SUPPRESS
+    elif shown is not None:  # --help: each setting's first clause, its default's too
+        text = f"{brief(s.help)} (default: {brief(default_text(s), ('; ', ': '))})"
+        kw["help"] = text.replace("%", "%%")
     else:
         kw["help"] = f"{s.help} (default: {default_text(s)})".replace("%", "%%")
     if kind is bool:
@@ -145,14 +180,20 @@ def _add(group, s: Setting) -> None:
         kw["type"] = str if kind is LoraSpec else kind
         if choices:
             kw["choices"] = choices
+        elif kind in (int, float):
+            kw["metavar"] = "N" if kind is int else "X"
     if s.dest == "ds_config":
         kw["action"] = _OneConfig
-    group.add_argument(s.flag, *s.aliases, **kw)
+    if shown is None or not s.aliases:
+        group.add_argument(s.flag, *s.aliases, **kw)
+    else:  # --help names the flag once; the other spellings are in --help-all
+        group.add_argument(s.flag, **kw)
+        group.add_argument(*s.aliases, **{**kw, "help": argparse.SUPPRESS})
 
 
-def _add_spellings(p: argparse.ArgumentParser) -> None:
-    """Other tools' spellings of settings that are not settings themselves."""
-    hf = p.add_argument_group("other spellings")
+def _add_spellings(p: argparse.ArgumentParser, shown: bool = True) -> None:
+    """Other tools' spellings of settings that are not settings themselves (in --help-all)."""
+    hf = p.add_argument_group("other spellings") if shown else p
     # DeepSpeed's own form (deepspeed.add_config_arguments, Megatron-DeepSpeed): `--deepspeed`
     # as a switch beside `--deepspeed_config X`, or `--deepspeed X` naming the file.
     hf.add_argument(
@@ -162,7 +203,9 @@ def _add_spellings(p: argparse.ArgumentParser) -> None:
         const=None,
         action=_OneConfig,
         help="DeepSpeed's spelling: a switch (the config comes from --deepspeed_config) or the "
-        "config file itself",
+        "config file itself"
+        if shown
+        else argparse.SUPPRESS,
     )
     hf.add_argument(
         "--report_to",
@@ -170,8 +213,26 @@ def _add_spellings(p: argparse.ArgumentParser) -> None:
         dest="report_to",
         choices=["wandb", "tensorboard", "all", "none"],
         help="HF Trainer's spelling: wandb or all = --wandb; tensorboard or none = no W&B "
-        "(metrics.jsonl and TensorBoard files are always written)",
+        "(metrics.jsonl and TensorBoard files are always written)"
+        if shown
+        else argparse.SUPPRESS,
     )
+
+
+def brief(text: str, stops: tuple[str, ...] = ("; ",)) -> str:
+    """`text` as --help says it: up to its first of `stops` outside parentheses, less a closing
+    parenthesis (an aside) after three words or more."""
+    depth = 0
+    for i, c in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0 and any(text.startswith(stop, i) for stop in stops):
+            text = text[:i]
+            break
+    if text.endswith(")") and " (" in text:
+        head = text[: text.rindex(" (")]
+        if len(head.split()) >= 3 and head.count("(") == head.count(")"):
+            return head
+    return text
 
 
 def default_text(s: Setting) -> str:
