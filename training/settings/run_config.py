@@ -76,7 +76,7 @@ class ModelConfig:
     name: str = setting(
         "small",
         "a preset (tiny, small, 125M, 350M, 760M, 1.3B, 2.7B, 7B, 13B), a local HF model folder, "
-        "or a hub name already in the local HF cache",
+        "or a hub name (org/name[@revision], fetched into the HF cache)",
         flag="model",
     )
     lora: LoraSpec | None = setting(
