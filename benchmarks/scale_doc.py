@@ -208,14 +208,24 @@ def aged(rows: list[dict]) -> str:
                 by_commit.setdefault(r["code"].get("commit") or "", r["code"])
         for commit, code in by_commit.items():
             files = changed_files(code)
-            if files:  # what changed, so that a reader can judge whether it touches the rows
-                bits.append(f"changed since {commit[:7]}: " + ", ".join(f"`{f}`" for f in files))
+            if files:  # how much changed, by folder; git names the files
+                bits.append(f"changed since {commit[:7]}: {_by_folder(files)}")
     if none:
         bits.append(
             f"{len(none)} rows measured before rows recorded their code (treat them as older): "
             + ", ".join(f"`{x}`" for x in none)
         )
     return out + "; ".join(bits) + "."
+
+
+def _by_folder(files: list[str]) -> str:
+    """'118 files (`training/` 99, `models/` 10)': how much changed; `git diff --stat` names them."""
+    counts: dict[str, int] = {}
+    for f in files:
+        top = f.split("/")[0] + "/" if "/" in f else f
+        counts[top] = counts.get(top, 0) + 1
+    folders = ", ".join(f"`{k}` {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"{len(files)} files ({folders})"
 
 
 def plot_memory(results: dict, path: Path) -> None:

@@ -90,4 +90,5 @@ def test_a_row_says_when_the_code_it_describes_has_changed():
     ).stdout.split()
     if first:
         r["code"]["commit"] = first[0]
-        assert "`training/train.py`" in scale_doc.render({r["row"]: r})
+        said = scale_doc.render({r["row"]: r})
+        assert f"changed since {first[0][:7]}: " in said and "`training/` " in said
