@@ -1,5 +1,6 @@
 """Learning-rate schedule, a pure function of the step, so resuming needs nothing but the step
-number. zerostack's own: linear warmup, then cosine decay to a floor. Or one of DeepSpeed's
+number. zerostack's own: linear warmup, then cosine decay to a floor, or warmup-stable-decay (the
+peak held, then a short decay to the floor at the end). Or one of DeepSpeed's
 (WarmupLR, WarmupDecayLR, WarmupCosineLR, from a ds_config `scheduler` section), computed as
 DeepSpeed's class computes it, on every engine alike."""
 
@@ -18,6 +19,29 @@ def lr_at(step: int, *, lr: float, warmup: int, total: int, min_lr_ratio: float 
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     floor = lr * min_lr_ratio
     return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def wsd_lr_at(
+    step: int, *, lr: float, warmup: int, total: int, decay: int, shape: str, min_lr_ratio: float
+) -> float:
+    """Warmup-stable-decay for optimizer step `step` (0-based) of `total`: linear warmup, the
+    peak until the last `decay` steps, then `shape` down to lr * min_lr_ratio at the last step.
+    The stable phase does not depend on `total`: a checkpoint taken in it continues, with a
+    new total, into that total's decay."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    start = total - decay
+    if step < start:
+        return lr
+    progress = min(1.0, (step - start + 1) / decay)
+    if shape == "linear":
+        left = 1.0 - progress
+    elif shape == "cosine":
+        left = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:  # 1-sqrt
+        left = 1.0 - math.sqrt(progress)
+    floor = lr * min_lr_ratio
+    return floor + (lr - floor) * left
 
 
 def deepspeed_lr_at(step: int, s: Schedule) -> float:
@@ -48,9 +72,10 @@ def deepspeed_lr_at(step: int, s: Schedule) -> float:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The learning rate as one value the loop asks per step. `kind` "cosine" is zerostack's
-    (lr, warmup, total, min_lr_ratio); the others are DeepSpeed's, where `start` is
-    warmup_min_lr (warmup_min_ratio for WarmupCosineLR) and min_lr_ratio is cos_min_ratio."""
+    """The learning rate as one value the loop asks per step. `kind` "cosine" and "wsd" are
+    zerostack's (lr, warmup, total, min_lr_ratio; wsd's decay steps and shape); the others are
+    DeepSpeed's, where `start` is warmup_min_lr (warmup_min_ratio for WarmupCosineLR) and
+    min_lr_ratio is cos_min_ratio."""
 
     lr: float
     warmup: int
@@ -59,8 +84,20 @@ class Schedule:
     kind: str = "cosine"
     start: float = 0.0
     warmup_type: str = "linear"
+    decay: int = 0
+    shape: str = "1-sqrt"
 
     def at(self, step: int) -> float:
+        if self.kind == "wsd":
+            return wsd_lr_at(
+                step,
+                lr=self.lr,
+                warmup=self.warmup,
+                total=self.total,
+                decay=self.decay,
+                shape=self.shape,
+                min_lr_ratio=self.min_lr_ratio,
+            )
         if self.kind != "cosine":
             return deepspeed_lr_at(step, self)
         return lr_at(

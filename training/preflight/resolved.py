@@ -30,6 +30,7 @@ def concrete(asked: RunConfig, found) -> tuple[RunConfig, dict[str, str]]:
         weight_decay=o.weight_decay,
         warmup=sch.warmup,
         min_lr_ratio=sch.min_lr_ratio,
+        decay_steps=sch.decay if sch.kind == "wsd" else 0,
     )
     model = replace(
         asked.model,

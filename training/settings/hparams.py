@@ -120,13 +120,21 @@ def resolve_schedule(cfg: dict, optim: OptimConfig, lr: float, source: str) -> d
         warmup = _pick("warmup", optim.warmup, "auto", DEFAULT_WARMUP, source)
         ratio = optim.min_lr_ratio
         ratio = DEFAULT_MIN_LR_RATIO if ratio is None else ratio
-        return {
-            "kind": "cosine",
-            "lr": lr,
-            "warmup": int(warmup),
-            "total": steps,
-            "min_lr_ratio": ratio,
-        }
+        fields = {"kind": optim.schedule, "lr": lr, "warmup": int(warmup), "total": steps}
+        fields["min_lr_ratio"] = ratio
+        if optim.schedule == "wsd":
+            fields |= {"decay": _wsd_decay(optim, int(warmup)), "shape": optim.decay_shape}
+        elif optim.decay_steps:
+            raise ConfigError(
+                "--decay-steps: the cosine schedule has no separate decay; add --schedule wsd"
+            )
+        return fields
+    if optim.schedule == "wsd" or optim.decay_steps:
+        kind = section.get("type") if isinstance(section, dict) else section
+        raise ConfigError(
+            f"--schedule wsd with scheduler {kind} in {source}: the schedule has one place; "
+            "drop the config's scheduler section or the flag"
+        )
     if not isinstance(section, dict):
         raise ConfigError(f"{source}: scheduler must be an object with type and params")
     kind = _check_scheduler_type(section.get("type"), source)
@@ -177,6 +185,20 @@ def resolve_schedule(cfg: dict, optim: OptimConfig, lr: float, source: str) -> d
         "start": start,
         "warmup_type": p["warmup_type"],
     }
+
+
+WSD_DECAY_FRACTION = 0.2  # the decay's share of the run when --decay-steps is not given
+
+
+def _wsd_decay(optim: OptimConfig, warmup: int) -> int:
+    """wsd's decay steps: given, else 20% of the run; at least 1 and not into the warmup."""
+    decay = optim.decay_steps or max(1, round(WSD_DECAY_FRACTION * optim.steps))
+    if decay > optim.steps - warmup:
+        raise ConfigError(
+            f"--decay-steps {decay} with --steps {optim.steps} and --warmup {warmup}: the decay "
+            f"would start inside the warmup; at most {max(0, optim.steps - warmup)} decay steps"
+        )
+    return decay
 
 
 def _pick(name: str, flag_value, config_value, default, source: str):

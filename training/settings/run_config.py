@@ -164,11 +164,28 @@ class OptimConfig:
     )
     min_lr_ratio: float | None = setting(
         None,
-        "the cosine's floor, as a fraction of --lr",
+        "the schedule's floor, as a fraction of --lr",
         shown="the config's cos_min_ratio, else 0.1",
         low=0,
         high=1,
         need="between 0 and 1",
+    )
+    schedule: Literal["cosine", "wsd"] = setting(
+        "cosine",
+        "the learning rate after warmup: cosine decay over the whole run, or warmup-stable-decay "
+        "(wsd: the peak held until the last decay steps, which decay to the floor; a run "
+        "resumed from a checkpoint of the stable phase with a new step count decays from there)",
+    )
+    decay_steps: int = setting(
+        0,
+        "wsd: the steps of the final decay (0: 20% of the steps)",
+        low=0,
+        need="0 or more",
+    )
+    decay_shape: Literal["1-sqrt", "linear", "cosine"] = setting(
+        "1-sqrt",
+        "wsd: the decay's shape from the peak to the floor (1-sqrt: 1 - sqrt(progress), the "
+        "shape that matched cosine's final loss in Hägele et al. 2024)",
     )
     warmup: int | None = setting(
         None,
