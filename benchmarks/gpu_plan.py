@@ -30,7 +30,7 @@ ENGINES = {
 # it start-up (benchmarks/results/gpu/h200_2026-11-28).
 BUDGETS = {"prepare": 90, "quickstart": 120, "export": 60, "lora": 75, "async_save": 150}
 BUDGETS |= {"evaluate": 60, "zero2_offload": 90, "zero3_offload": 90, "zero2_compiled": 120}
-ENGINE_BUDGET = 45
+ENGINE_BUDGET = 60  # 34-38 s for 10 steps on the H200, of which ZeRO-3 stepped 4.5 s: 30 steps fit
 # DeepSpeed's compiled ops a row loads: built in the background from the check's start (over
 # 60 s of nvcc and g++ on the H200's image), so the row does not spend its budget building.
 OPS = {"zero2_offload": "CPUAdamBuilder", "zero3_offload": "CPUAdamBuilder"}

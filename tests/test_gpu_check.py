@@ -41,7 +41,7 @@ def test_the_plan_has_every_row_and_every_trainer_argv_parses(tmp_path, monkeypa
         config = flags.parse(cmd.args)
         if cmd.args[cmd.args.index("--model") + 1] == "350M" if "--model" in cmd.args else False:
             assert config.data.seq_len == 1024 and config.engine.precision == "bf16"
-            assert config.optim.steps == 10
+            assert config.optim.steps == 30
     modules = {c.module for r in rows for c in r.commands if c.kind == "module"}
     assert modules == {"data.prepare", "training.export", "training.evaluate"}
 
