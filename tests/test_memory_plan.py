@@ -176,3 +176,23 @@ def test_plan_counts_a_rank_of_a_3d_layout():
                                 "optimizer": 12 * tp_only}  # fmt: skip
     # the layout divides the model: pp2 x tp2 holds about 0.4 of a whole replica's parameters
     assert states("pipeline_tp2", 4)["params"] < 0.45 * states("zero1", 1)["params"]
+
+
+def test_tensor_parallel_plan_keeps_qk_norms_whole():
+    """QK-norm's per-head weights are whole on every tensor-parallel rank (the model's plan
+    replicates them, with their gradients summed over the group): the plan counts them whole,
+    from the model itself and from a run's record, where it used to halve them."""
+    from models import get_config
+    from training.memory.rank_share import rank_params
+    from training.memory.shape import shape_of_config, shape_of_run
+
+    c = get_config("small", qk_norm=True)
+    h, layers, d = c.hidden_size, c.num_hidden_layers, c.head_dim
+    kv = c.num_key_value_heads * d
+    proj = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size
+    shape = shape_of_config(c, "small")
+    assert shape.block_whole == 2 * h + 2 * d
+    want = shape.params - layers * proj // 2  # every vector whole, the projections halved
+    assert rank_params(shape, _config("tp2")) == want
+    record = {"model_config": c.to_dict(), "n_params": shape.params, "flags": {"model": "small"}}
+    assert rank_params(shape_of_run(record), _config("tp2")) == want

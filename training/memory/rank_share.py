@@ -9,8 +9,9 @@ and gives each stage a run of them, by DeepSpeed's own partition of `pipeline.pa
 (`parameters`: balanced parameter counts of the whole layers; `blocks`: balanced block counts;
 `uniform`: balanced layer counts). Tensor parallelism (pipeline_tensor.py, and AutoTP by the
 model's `base_model_tp_plan`) splits each block's attention and MLP projections over the group
-and keeps the embedding, the norms and the head whole on every rank of it. The plan counts the
-fullest rank: the largest stage, with its blocks' projections divided by tp.
+and keeps the embedding, the norms (QK-norm's per-head ones too) and the head whole on every rank
+of it. The plan counts the fullest rank: the largest stage, with its blocks' projections
+divided by tp.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 from training.memory.shape import ModelShape
 from training.settings import ds_config, parallel
 
-BLOCK_NORMS = 2  # a block's attention and MLP norms: `hidden` weights each, kept whole
+BLOCK_NORMS = 2  # a block's attention and MLP norms, `hidden` weights each: kept whole where the
+# shape does not say (ModelShape.block_whole)
 
 
 def layer_params(shape: ModelShape) -> list[int]:
@@ -54,7 +56,7 @@ def rank_params(shape: ModelShape, ds_cfg: dict) -> int:
     if tp == 1 and pp == 1:
         return shape.params
     weights = layer_params(shape)
-    kept = BLOCK_NORMS * shape.hidden
+    kept = BLOCK_NORMS * shape.hidden if shape.block_whole is None else shape.block_whole
     sliced = [
         (w - kept) // tp + kept if 1 <= i <= shape.layers else w for i, w in enumerate(weights)
     ]

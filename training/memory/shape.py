@@ -30,6 +30,9 @@ class ModelShape:
     # the ranks of an expert group, where every other weight is on every rank
     experts: int = 0
     tied: bool = False  # the head shares the embedding's weight
+    # a block's parameters that tensor parallelism keeps whole on every rank: its norms, and
+    # QK-norm's per-head ones (None: the two norms of `hidden` weights)
+    block_whole: int | None = None
 
     @property
     def trained(self) -> int:
@@ -74,6 +77,10 @@ def shape_of_config(cfg, name: str) -> ModelShape:
     largest = max(sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules())
     experts = sum(numel(p) for n, p in model.named_parameters() if ".experts." in n)
     hidden = cfg.hidden_size  # HF configs map their own names (n_embd, ...) onto these
+    # one block's vectors (norm weights): what tensor parallelism does not split
+    blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    first = blocks[0][0] if blocks and len(blocks[0]) else None
+    whole = sum(numel(p) for p in first.parameters() if p.dim() == 1) if first is not None else None
     return ModelShape(
         name=name,
         params=sum(unique.values()),
@@ -84,6 +91,7 @@ def shape_of_config(cfg, name: str) -> ModelShape:
         vocab=cfg.vocab_size,
         experts=experts,
         tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        block_whole=whole,
     )
 
 
@@ -114,7 +122,13 @@ def shape_of_run(resolved: dict) -> ModelShape:
         trainable=resolved.get("trainable_params") if resolved["flags"].get("lora") else None,
         experts=_expert_params(c, inter),
         tied=bool(c.get("tie_word_embeddings", False)),
+        block_whole=2 * h + (2 * _head_dim(c) if c.get("qk_norm") else 0),
     )
+
+
+def _head_dim(c: dict) -> int:
+    """A saved config's head width: its head_dim, else hidden / heads (as the model derives it)."""
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
 
 
 def _expert_params(c: dict, inter: int) -> int:
