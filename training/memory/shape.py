@@ -77,10 +77,14 @@ def shape_of_config(cfg, name: str) -> ModelShape:
     largest = max(sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules())
     experts = sum(numel(p) for n, p in model.named_parameters() if ".experts." in n)
     hidden = cfg.hidden_size  # HF configs map their own names (n_embd, ...) onto these
-    # one block's vectors (norm weights): what tensor parallelism does not split
+    # one block's norms (QK-norm's too): what tensor parallelism does not split; a projection's
+    # bias is split with it
     blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     first = blocks[0][0] if blocks and len(blocks[0]) else None
-    whole = sum(numel(p) for p in first.parameters() if p.dim() == 1) if first is not None else None
+    whole = None
+    if first is not None:
+        norms = [p for n, p in first.named_parameters() if "norm" in n or n.startswith("ln_")]
+        whole = sum(numel(p) for p in norms)
     return ModelShape(
         name=name,
         params=sum(unique.values()),
