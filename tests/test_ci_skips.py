@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, ci_failure
 
 SKIPPING = """
@@ -30,6 +31,7 @@ def _run(tmp_path, ci: str) -> str:
     return p.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # two pytest processes
 def test_on_the_ci_box_a_skip_of_what_ci_provides_fails(tmp_path):
     assert "1 failed, 1 skipped" in _run(tmp_path, "1")
     assert "2 skipped" in _run(tmp_path, "0")

@@ -158,6 +158,7 @@ def test_help_lists_every_setting_in_its_group_with_its_default():
     assert list(parts)[-2] == "host tuning"  # the machine's knobs come last
 
 
+@pytest.mark.slow  # two processes that import the trainer
 def test_help_fits_a_screen_and_help_all_has_the_rest(tmp_path):
     """`train.py --help` at 80 columns: the common settings in their groups, each flag once,
     in at most 120 lines; --help-all every setting; an alias --help leaves out still works."""
