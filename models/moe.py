@@ -166,25 +166,36 @@ def router_stats(
 
 
 def pooled_balancing_loss(
-    router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, group=None
+    router_logits: tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    group=None,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """transformers' load-balancing loss (`load_balancing_loss_func` of Mixtral, Qwen3-MoE:
-    f_e and P_e over the tokens of every layer pooled, no padding mask), as this rank's share
-    when `group` holds the other slices of the same sequences: the shares add up over the group
-    to the whole sequences' loss, as `router_stats`'s do."""
-    counts = torch.zeros(num_experts, device=router_logits[0].device)
-    probs = torch.zeros(num_experts, device=router_logits[0].device)
-    rows = 0
+    f_e and P_e over the tokens of every layer pooled; `real` (batch, seq) as its attention
+    mask, padding left out), as this rank's share when `group` holds the other slices of the
+    same sequences: the shares add up over the group to the whole sequences' loss, as
+    `router_stats`'s do."""
+    device = router_logits[0].device
+    counts = torch.zeros(num_experts + 1, device=device)  # the last bin: padding's assignments
+    probs = torch.zeros(num_experts, device=device)
+    w = None if real is None else real.reshape(-1).to(device=device, dtype=torch.float32)
+    rows = torch.zeros((), device=device)
     for logits in router_logits:
         p = logits.float().softmax(dim=-1)
         index = p.topk(top_k, dim=-1).indices
-        counts = counts + torch.bincount(index.reshape(-1), minlength=num_experts).float()
+        if w is None:
+            rows = rows + p.shape[0]
+        else:
+            index = index.masked_fill(w[:, None] == 0, num_experts)
+            p, rows = p * w[:, None], rows + w.sum()
+        counts = counts + torch.bincount(index.reshape(-1), minlength=num_experts + 1).float()
         probs = probs + p.sum(dim=0)
-        rows += p.shape[0]
-    packed = torch.cat([counts, torch.tensor([float(rows)], device=counts.device)])
+    packed = torch.cat([counts[:-1], rows.reshape(1)])
     if group is not None:
         torch.distributed.all_reduce(packed, group=group)
-    counts, n = packed[:-1], packed[-1]
+    counts, n = packed[:-1], packed[-1].clamp_min(1.0)
     return num_experts * ((counts / n) * (probs / n)).sum()
 
 
@@ -325,9 +336,10 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 def router_inputs(model: nn.Module, targets: torch.Tensor) -> dict:
     """What an objective that calls `model` (or an engine or peft wrapper of it) without labels
-    passes beside its inputs so the router losses leave padding out: for our MoE model the real
-    tokens of `targets` (batch, seq; `real_tokens`) as `router_mask`; nothing for any other."""
-    if isinstance(_unwrapped(model), ZeroStackMoeForCausalLM):
+    passes beside its inputs so the router losses leave padding out: for our MoE model, and an
+    HF MoE model made to train its router losses, the real tokens of `targets` (batch, seq;
+    `real_tokens`) as `router_mask`; nothing for any other."""
+    if takes_router_group(_unwrapped(model)):
         return {"router_mask": real_tokens(targets)}
     return {}
 
@@ -377,18 +389,29 @@ def takes_router_group(model: nn.Module) -> bool:
     return isinstance(model, ZeroStackMoeForCausalLM) or own
 
 
-def _forward_with_router_logits(self, *args, router_group=None, **kwargs):
-    """The model's forward with router logits in training; under sequence parallelism
-    (`router_group`: the ranks holding the other slices of these sequences) the load-balancing
-    loss transformers computed on this slice alone is replaced by this rank's share of the whole
-    sequences' (`pooled_balancing_loss`)."""
+def _forward_with_router_logits(self, *args, router_group=None, router_mask=None, **kwargs):
+    """The model's forward with router logits in training. transformers' load-balancing loss
+    counts every token of the batch (it takes no mask without an attention mask) and each
+    slice alone under sequence parallelism; where there is padding (`router_mask`, else the
+    real tokens of the labels, as our model takes them) or a `router_group` (the ranks holding
+    the other slices of these sequences), it is replaced by `pooled_balancing_loss` over the
+    real tokens of the whole sequences (this rank's share)."""
     if self.training and kwargs.get("output_router_logits") is None:
         kwargs["output_router_logits"] = True
     out = type(self).forward(self, *args, **kwargs)
-    if router_group is None or getattr(out, "router_logits", None) is None or out.aux_loss is None:
+    if getattr(out, "router_logits", None) is None or out.aux_loss is None:
         return out
+    labels = kwargs.get("labels")
+    if router_mask is None and labels is not None and kwargs.get("attention_mask") is None:
+        shifted = kwargs.get("shift_labels")
+        if shifted is None:
+            shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        router_mask = real_tokens(shifted)
+    padded = router_mask is not None and not bool(router_mask.all())
+    if router_group is None and not padded:
+        return out  # transformers' own loss is the same
     experts, k = out.router_logits[0].shape[-1], self.num_experts_per_tok
-    share = pooled_balancing_loss(out.router_logits, experts, k, router_group)
+    share = pooled_balancing_loss(out.router_logits, experts, k, router_group, router_mask)
     if out.loss is not None:
         out.loss = out.loss + self.router_aux_loss_coef * (share - out.aux_loss)
     out.aux_loss = share

@@ -245,3 +245,37 @@ def test_router_losses_over_a_sequence_parallel_group_add_up_to_the_whole_sequen
     assert got["ours_loss"] < 1e-12 and got["ours_grad"] < 1e-12 and got["ours_counts_equal"]
     assert got["pooled_loss"] < 1e-6 and got["pooled_grad"] < 1e-6
     assert got["slices_alone_loss"] > 0.1  # what the shares replace is far off
+
+
+@pytest.mark.parametrize("kind", sorted(HF_MOE))
+def test_hf_moe_load_balancing_leaves_padding_out(kind, tmp_path):
+    """A padded batch (targets ignored past each row's end): the HF MoE folder's training loss
+    takes transformers' load-balancing loss over the real tokens only (its own function given
+    them as the attention mask), where transformers alone counts the padding too; a batch
+    without padding keeps transformers' loss exactly. DPO's call without labels passes the
+    same mask (router_inputs)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from models import build_model
+    from models.llama import IGNORE_INDEX
+    from models.moe import real_tokens, router_inputs, router_loss
+
+    model = build_model(hf_moe_folder(kind, tmp_path / kind, weights=True)).train()
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, dims=1)
+    y[1, 10:] = IGNORE_INDEX  # the second row ends at token 11: padding after
+    real = real_tokens(y)
+    out = model(input_ids=x, labels=x, shift_labels=y)
+    logits = model(input_ids=x, output_router_logits=True).router_logits
+    c = model.config
+    experts = logits[0].shape[-1]
+    want = load_balancing_loss_func(logits, experts, c.num_experts_per_tok, real.long())
+    every = load_balancing_loss_func(logits, experts, c.num_experts_per_tok)
+    torch.testing.assert_close(out.aux_loss, want, rtol=1e-5, atol=1e-7)
+    assert abs(out.aux_loss.item() - every.item()) > 1e-4  # the padding did count before
+    plain = model(input_ids=x, labels=x)  # no padding: transformers' own
+    stock = type(model).forward(model, input_ids=x, labels=x, output_router_logits=True)
+    assert torch.equal(plain.loss, stock.loss) and torch.equal(plain.aux_loss, stock.aux_loss)
+    no_labels = model(input_ids=x, **router_inputs(model, y))
+    torch.testing.assert_close(no_labels.aux_loss, want, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(router_loss(model, no_labels), c.router_aux_loss_coef * want)
