@@ -77,8 +77,11 @@ def test_preference_loss_adds_our_models_router_losses(pairs, kind):
 
 def test_preference_loss_adds_an_hf_moe_folders_aux_loss(pairs, tmp_path):
     """A stock Mixtral folder: router_aux_loss_coef x transformers' load-balancing loss of the
-    same forward (its own formula, as its next-token training adds it)."""
+    same forward (its own formula, as its next-token training adds it), over the pairs' real
+    tokens (their padding given as its attention mask)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from models.moe import real_tokens
 
     vocab, x, y, reference = pair_batch(pairs)
     folder = hf_moe_folder("mixtral", tmp_path / "mixtral", vocab_size=vocab, weights=True)
@@ -88,7 +91,8 @@ def test_preference_loss_adds_an_hf_moe_folders_aux_loss(pairs, tmp_path):
         out = model(input_ids=x, output_router_logits=True)
         logps, lengths = sequence_logps(out.logits, y)
         want, _ = preference_loss("dpo", BETA, logps, reference, lengths)
-        aux = load_balancing_loss_func(out.router_logits, 4, 2)
+        aux = load_balancing_loss_func(out.router_logits, 4, 2, real_tokens(y).long())
+        assert not bool(real_tokens(y).all())  # the pairs are padded: the mask matters
     router = model.config.router_aux_loss_coef * aux.item()
     assert router > 1e-3
     assert loss.item() == pytest.approx(want.item() + router, rel=1e-6, abs=1e-7)
