@@ -21,6 +21,7 @@ DEV_TOOLS = {
     "pytest",
     "ruff",
     "hypothesis",
+    "trl",
 }  # in requirements.txt for setup.sh; the `dev` extra in pyproject
 SKIP_DIRS = {".venv", ".git", "build", "dist", "runs", "data_cache", "out", "__pycache__"}
 # Spelled so that this file does not match itself.
