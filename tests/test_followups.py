@@ -77,6 +77,7 @@ def test_a_job_still_queued_is_replaced_by_a_newer_checkpoint_and_its_checkpoint
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000006"]
 
 
+@pytest.mark.slow  # a real export process
 def test_a_failing_job_is_logged_with_why_and_the_run_goes_on(tmp_path):
     """A real `python -m training.export` on a checkpoint that was never sealed: it fails, and
     the failure is one record with the command's own last line."""

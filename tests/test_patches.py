@@ -175,6 +175,7 @@ def _muon_run(mode: str) -> list:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_the_muon_stand_in_trains_as_stock():
     """Stock against patched, each in a fresh interpreter: three bf16 steps under the bf16
     optimizer (ZeRO-0) and ZeRO-1, 2 and 3 give the same losses bit for bit, stock imports

@@ -219,6 +219,7 @@ def test_damaged_checkpoints_are_named_kept_and_never_trained_over(tiny_data, tm
 
 
 # ------------------------------------------------------------------------------ export
+@pytest.mark.slow  # the user's export command
 def test_export_never_replaces_a_run_or_data_folder(tiny_data, tmp_path):
     """--overwrite refuses an --out that is, contains or lies inside a run or data folder (an
     earlier export inside a run, RUN/hf, may still be replaced); nothing is touched."""

@@ -301,6 +301,7 @@ def test_deepspeed_launcher_runs_the_entry_point(tiny_data, tmp_path):
     assert json.loads((out / "resolved_config.json").read_text())["world"] == 2
 
 
+@pytest.mark.slow  # a fresh interpreter each
 @pytest.mark.parametrize("mode", ["keep", "default"])
 def test_cpu_ranks_keep_freed_memory(mode):
     """After keep_freed_memory() a block as large as ZeRO's CPU reduce bucket may be
