@@ -58,7 +58,7 @@ PLANTS = {
         lambda d: d["false_positives"][0]["replayed_log_norm"]["6.0"].append(400),
     ),
     "gpu_check": (
-        "gpu/h200_2026-11-28/1_all_rows.json",
+        "gpu/h200_2026-11-28_2/1_all_rows.json",
         lambda d: d["rows"][3].update(tokens_per_s=9999.0),
     ),
     "scale": (
