@@ -23,6 +23,7 @@ from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.expert_parallel import capture_router_logits
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, param_groups
+from training.engines.overflow import fuse_overflow_test
 from training.engines.sequence import SequenceParallel
 from training.engines.spike_guard import deepspeed_norm_checks
 from training.memory.state_bytes import state_bytes
@@ -124,6 +125,7 @@ class DeepSpeedEngine(Engine):
             config=ds_config,
             mpu=self.sequence.mpu if self.sequence else None,
         )
+        fuse_overflow_test(self.engine.optimizer)  # ZeRO-1/2: one reduction per gradient
         self.tensor_parallel = tp
         self.expert_parallel = parallel.expert_size(ds_config)
         if self.expert_parallel > 1:  # AutoEP replaced the routed MLPs

@@ -99,6 +99,16 @@ PATCHES: dict[str, Patch] = {
         "tests/test_patches.py::test_the_muon_stand_in_trains_as_stock: stock against patched "
         "over ZeRO-1, 2 and 3 steps in bf16, and Muon never imported",
     ),
+    "zero_overflow_fused": Patch(
+        "deepspeed",
+        "0.19.8",
+        "0.19.8",
+        "engines/overflow.py gives each ZeRO-1/2 optimizer (not offloaded) an overflow test of "
+        "one aminmax per gradient in place of DeepSpeed's six ops per gradient; stock: "
+        "DeepSpeed's per-gradient test",
+        "tests/test_overflow.py::test_the_fused_overflow_test_answers_as_stock: stock against "
+        "patched on ZeRO-1 and 2 gradients, finite and with NaN, +inf and -inf planted",
+    ),
 }
 
 
