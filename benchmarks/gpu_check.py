@@ -219,7 +219,27 @@ def checkpoint_files(run_dir: Path, step: int) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-CHECKS = {"logits": check_logits, "async": check_async}
+def check_profile(row: Row, left: float) -> dict:
+    """The profiler's summary and op table, copied beside the logs; on a GPU the op table must
+    hold the device's own times (the CUDA activity was recorded)."""
+    prof = Path(row.paths["run"]) / "profile"
+    if not (prof / "summary.json").is_file():
+        return {"failed": "the profiler wrote no summary.json"}
+    logs = Path(row.paths["logs"])
+    logs.mkdir(parents=True, exist_ok=True)
+    for name in ("summary.md", "ops_rank0.txt"):
+        shutil.copyfile(prof / name, logs / f"profile_{name}")
+    summary = json.loads((prof / "summary.json").read_text())
+    first, last = summary["steps"]
+    rank0 = summary["per_rank"][0]
+    shares = {k: round(v / rank0["wall_s"], 3) for k, v in list(rank0["seconds"].items())[:4]}
+    detail = {"profile": {"step_s": round(rank0["wall_s"] / (last - first + 1), 4)} | shares}
+    if row.paths["gpu"] and "CUDA" not in (prof / "ops_rank0.txt").read_text():
+        detail["failed"] = "the op table has no CUDA times: the profiler did not record the device"
+    return detail
+
+
+CHECKS = {"logits": check_logits, "async": check_async, "profile": check_profile}
 
 
 # ------------------------------------------------------------------------------ the whole check

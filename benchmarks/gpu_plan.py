@@ -30,6 +30,7 @@ ENGINES = {
 # it start-up (benchmarks/results/gpu/h200_2026-11-28).
 BUDGETS = {"prepare": 90, "quickstart": 120, "export": 60, "lora": 75, "async_save": 150}
 BUDGETS |= {"evaluate": 60, "zero2_offload": 90, "zero3_offload": 90, "zero2_compiled": 120}
+BUDGETS["profile"] = 75  # 14 steps and the profiler's trace written after step 12
 ENGINE_BUDGET = 60  # 34-38 s for 10 steps on the H200, of which ZeRO-3 stepped 4.5 s: 30 steps fit
 # DeepSpeed's compiled ops a row loads: built in the background from the check's start (over
 # 60 s of nvcc and g++ on the H200's image), so the row does not spend its budget building.
@@ -108,7 +109,9 @@ def plan(a) -> list[Row]:
     first = ("zero2", "zero2_compiled", "zero3")  # compiled: whether compiling pays on a GPU
     rows += [engine_row(a, name, z, steps, runs) for name in first]
     rows += [async_row(a, z, runs), lora_row(a, z, steps, runs / "lora", hf)]
-    rows += [engine_row(a, name, z, steps, runs) for name in MORE_ENGINES]
+    more = [engine_row(a, name, z, steps, runs) for name in MORE_ENGINES]
+    # where ZeRO-2's step goes on this device: after DDP and FSDP2, before the offload rows
+    rows += more[:2] + [profile_row(a, z, runs / "profile")] + more[2:]
     scored = ["--data", str(a.work / "data"), "--limit", "20", "--out", str(runs / "eval.json")]
     score = Command("module", [str(hf), *scored], "training.evaluate")
     what = "training.evaluate: the shipped offline tasks on the export"
@@ -152,6 +155,20 @@ def engine_row(a, name: str, z: dict, steps: int, runs: Path) -> Row:
     return Row(
         name, what, budget, [Command("train", args)], figures=str(out), ops=OPS.get(name, "")
     )
+
+
+def profile_row(a, z: dict, out: Path) -> Row:
+    """ZeRO-2 at the engines' size under `--profile`: where a step's time goes on the device
+    (matrix products, the optimizer, what no op accounts for), with the profiler's CUDA branch
+    run where there is CUDA. Steps 10-12 (2-3 at --tiny) follow the warm-up and compile."""
+    steps, span = (3, "2:3") if a.tiny else (14, "10:12")
+    args = train_flags(a, z["large"], out, z["seq"], z["micro"], steps)
+    args += [*ENGINES["zero2"], "--profile", span]
+    what = f"{z['large']}, zero2 under --profile {span}: where a step's time goes"
+    row = Row("profile", what, BUDGETS["profile"], [Command("train", args)], check="profile")
+    row.figures = str(out)
+    row.paths = {"run": str(out), "logs": str(Path(a.out) / "logs"), "gpu": not a.tiny}
+    return row
 
 
 def async_row(a, z: dict, runs: Path) -> Row:

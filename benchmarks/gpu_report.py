@@ -67,6 +67,11 @@ def note(r: dict) -> str:
             f"{judged} steps' losses within {r['max_rel_loss_diff']:.1e}{rest}; "
             "checkpoint files equal"
         )
+    if "profile" in r:
+        g = dict(r["profile"])
+        step = g.pop("step_s")
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in g.items())
+        return f"{step * 1000:.0f} ms a profiled step; {shares}"
     if "final_loss" in r:
         return f"final loss {r['final_loss']:.3f}"
     return ""

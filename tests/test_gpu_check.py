@@ -32,16 +32,18 @@ def test_the_plan_has_every_row_and_every_trainer_argv_parses(tmp_path, monkeypa
         "lora",
         "async_save",
         "evaluate",
+        "profile",
     } <= set(names)
     trains = [c for r in rows for c in r.commands if c.kind == "train"]
-    assert len(trains) == len(gpu_plan.ENGINES) + 1 + 1 + 3  # engines, quickstart, LoRA, async
+    # engines, quickstart, LoRA, async (3), profile
+    assert len(trains) == len(gpu_plan.ENGINES) + 1 + 1 + 3 + 1
     for cmd in trains:
         argv = cmd.argv()
         assert argv[1:3] == ["-m", "torch.distributed.run"] and "training/train.py" in argv
         config = flags.parse(cmd.args)
         if cmd.args[cmd.args.index("--model") + 1] == "350M" if "--model" in cmd.args else False:
             assert config.data.seq_len == 1024 and config.engine.precision == "bf16"
-            assert config.optim.steps == 30
+            assert config.optim.steps == (14 if config.logging.profile else 30)
     modules = {c.module for r in rows for c in r.commands if c.kind == "module"}
     assert modules == {"data.prepare", "training.export", "training.evaluate"}
 
@@ -298,3 +300,33 @@ def test_a_row_that_needs_an_op_waits_for_the_background_build(tmp_path):
     assert got["wall_s"] < 1.5  # the wait is not counted in the row's own time
     plan = gpu_plan.plan(gpu_check.parse([]))
     assert {r.name for r in plan if r.ops} == {"zero2_offload", "zero3_offload"}
+
+
+@pytest.mark.slow
+def test_the_profile_row_runs_at_tiny_size_and_copies_its_tables(tmp_path):
+    """The profile row through the same code the GPU runs: the profiler's summary and op table
+    come back beside the logs, and the table's note says where a step went."""
+    out = tmp_path / "out"
+    argv = ["--tiny", "--slack", "4", "--rows", "profile", "--out", str(out)]
+    assert gpu_check.main([*argv, "--work", str(tmp_path / "work")]) == 0
+    row = {r["name"]: r for r in json.loads((out / "gpu_check.json").read_text())["rows"]}
+    row = row["profile"]
+    assert row["status"] == "ok" and row["profile"]["step_s"] > 0
+    assert (out / "logs" / "profile_summary.md").read_text().startswith("# Where the time went")
+    assert "ms a profiled step" in (out / "gpu_check.md").read_text()
+
+
+def test_a_gpu_profile_without_device_times_fails(tmp_path):
+    """On a GPU the op table must carry CUDA times: a CPU-only table there is a failed row."""
+    prof = tmp_path / "run" / "profile"
+    prof.mkdir(parents=True)
+    summary = {"steps": [10, 12], "per_rank": [{"wall_s": 0.6, "seconds": {"matrix products": 0.3}}]}
+    (prof / "summary.json").write_text(json.dumps(summary))
+    (prof / "summary.md").write_text("# Where the time went\n")
+    (prof / "ops_rank0.txt").write_text("Name  Self CPU %  Self CPU\n")
+    paths = {"run": str(tmp_path / "run"), "logs": str(tmp_path / "logs")}
+    row = gpu_plan.Row("profile", "x", 60, [], check="profile", paths={**paths, "gpu": False})
+    got = gpu_check.check_profile(row, 10)
+    assert "failed" not in got and got["profile"] == {"step_s": 0.2, "matrix products": 0.5}
+    row.paths["gpu"] = True
+    assert "no CUDA times" in gpu_check.check_profile(row, 10)["failed"]
