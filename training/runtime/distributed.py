@@ -82,12 +82,21 @@ def setup(
         acc.set_device(local_rank)
         device = torch.device(acc.device_name(local_rank))
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend=backend, timeout=timedelta(seconds=timeout_s), **bound_device(backend, device)
+        )
     # Groups made later (DeepSpeed clones the world for ZeRO) get torch's default timeout, 30
     # minutes or more, not the world's: make the default ours too.
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     liveness.set_timeout(timeout_s)  # for the collectives that cannot time out by themselves
     return DistInfo(rank, world, local_rank, local_world, device, backend, launch.launcher)
+
+
+def bound_device(backend: str, device: torch.device) -> dict:
+    """NCCL's group is bound to this rank's device (LOCAL_RANK's): unbound, NCCL guesses it
+    from the global rank modulo the host's GPU count, another GPU than the rank's where hosts
+    hold different numbers of ranks (and a warning on every run). gloo takes no device."""
+    return {"device_id": device} if backend == "nccl" and device.index is not None else {}
 
 
 def keep_freed_memory() -> bool:
