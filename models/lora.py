@@ -72,6 +72,22 @@ def parse_lora(text: str) -> LoraSpec:
     return spec
 
 
+def stored_lora(value: dict | str | None) -> LoraSpec | None:
+    """The spec a checkpoint holds: its fields (LoraSpec.as_record), or the --lora text of
+    checkpoints written before they held the fields; None for a run without LoRA."""
+    if not value:
+        return None
+    if isinstance(value, str):
+        return parse_lora(value)
+    try:
+        if set(value) - set(_KEYS):
+            raise ValueError(f"unknown fields {sorted(set(value) - set(_KEYS))}")
+        fields = {k: _KEYS[k](v) for k, v in value.items() if k != "targets"}
+        return LoraSpec(**fields, targets=tuple(str(t) for t in value.get("targets", ())))
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ModelError(f"the stored LoRA spec {value!r} does not read back: {e}") from None
+
+
 def linear_names(model: nn.Module) -> dict[str, int]:
     """{last name part: how many} of the model's linear layers (peft's unit of targeting)."""
     out: dict[str, int] = {}

@@ -320,7 +320,10 @@ def test_a_gpu_profile_without_device_times_fails(tmp_path):
     """On a GPU the op table must carry CUDA times: a CPU-only table there is a failed row."""
     prof = tmp_path / "run" / "profile"
     prof.mkdir(parents=True)
-    summary = {"steps": [10, 12], "per_rank": [{"wall_s": 0.6, "seconds": {"matrix products": 0.3}}]}
+    summary = {
+        "steps": [10, 12],
+        "per_rank": [{"wall_s": 0.6, "seconds": {"matrix products": 0.3}}],
+    }
     (prof / "summary.json").write_text(json.dumps(summary))
     (prof / "summary.md").write_text("# Where the time went\n")
     (prof / "ops_rank0.txt").write_text("Name  Self CPU %  Self CPU\n")

@@ -16,7 +16,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from models import ModelError, ZeroStackForCausalLM, build_model, get_config, save_llama
-from models.lora import LoraSpec, apply_lora, is_adapter, parse_lora, targets, to_llama_adapter
+from models.lora import (
+    LoraSpec,
+    apply_lora,
+    is_adapter,
+    parse_lora,
+    stored_lora,
+    targets,
+    to_llama_adapter,
+)
 from training.checkpoints import layout as ckpt
 from training.checkpoints.hf_export import export_report
 from training.checkpoints.weights import load_lora_model
@@ -139,6 +147,16 @@ def _adapters(run: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+def test_a_checkpoint_holds_the_spec_as_fields_and_old_ones_read_back():
+    spec = LoraSpec(r=8, alpha=16.0, dropout=0.0, targets=("q_proj", "v_proj"))
+    assert stored_lora(json.loads(json.dumps(spec.as_record()))) == spec
+    assert stored_lora(spec.as_text()) == spec  # a checkpoint written with the --lora text
+    assert stored_lora(None) is None
+    for bad, why in [({"rank": 4}, "unknown fields"), ({"r": "x"}, "does not read back")]:
+        with pytest.raises(ModelError, match=why):
+            stored_lora(bad)
+
+
 def test_zero3_trains_only_the_adapters_and_resumes_exactly(zero3_runs):
     ref = read_metrics(zero3_runs["ref"])
     assert ref[-1]["loss"] < ref[0]["loss"]
@@ -153,6 +171,9 @@ def test_zero3_trains_only_the_adapters_and_resumes_exactly(zero3_runs):
     ]
     a, b = _adapters(zero3_runs["ref"]), _adapters(zero3_runs["stopped"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = json.loads((root / tag / "trainer_state.json").read_text())
+    assert isinstance(state["lora"], dict)  # the spec's fields, read back as given
+    assert stored_lora(state["lora"]) == parse_lora(LORA[LORA.index("--lora") + 1])
 
 
 @pytest.mark.slow

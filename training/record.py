@@ -46,6 +46,7 @@ def run_record(
     return {
         **settings_record(prepared),
         "ds_config_file": prepared.config_path,
+        "lora_spec": prepared.config.model.lora and prepared.config.model.lora.as_record(),
         "schedule": prepared.schedule.kind,
         "ds_config": prepared.ds_config,
         "model_config": facts["model_config"].to_dict(),
@@ -176,8 +177,9 @@ def trainer_facts(record: dict) -> dict:
         "data_sha256": record["data"].get("sha256"),
         "model_config": record["model_config"],
         "precision": record["precision"],  # an "auto" resume keeps it (exact resume)
-        # --lora: the adapters' spec, and the frozen model they sit on (what export loads)
-        "lora": flags["lora"],
+        # --lora: the adapters' spec (its fields: models/lora.py stored_lora reads them back),
+        # and the frozen model they sit on (what export loads)
+        "lora": record["lora_spec"],
         "base_model": flags["lora"] and str(Path(resolve_pretrained(flags["model"])).resolve()),
     }
 

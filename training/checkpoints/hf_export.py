@@ -39,7 +39,7 @@ from transformers.utils import logging
 from data.files import scratch_folder, why_unwritable
 from models import ModelError, ZeroStackForCausalLM
 from models.hf_adapter import to_hf
-from models.lora import adapter_state_dict, lora_config, parse_lora, to_llama_adapter
+from models.lora import adapter_state_dict, lora_config, stored_lora, to_llama_adapter
 from training.checkpoints import layout as ckpt
 from training.checkpoints.universal_copy import Topology
 from training.checkpoints.weights import config_from_dict, load_lora_model, load_model
@@ -194,7 +194,7 @@ def save_adapter(model, state: dict, folder: Path, dtype: torch.dtype) -> None:
     targets = sorted(model.peft_config["default"].target_modules)
     if isinstance(model.config, ZeroStackForCausalLM.config_class):
         sd, targets = to_llama_adapter(sd, targets)
-    config = lora_config(None, parse_lora(state["lora"]), targets)
+    config = lora_config(None, stored_lora(state["lora"]), targets)
     config.base_model_name_or_path = state["base_model"]
     config.save_pretrained(folder)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in sd.items()}

@@ -22,7 +22,7 @@ from models import (
     model_class,
     pipeline_state_dict_to_model,
 )
-from models.lora import apply_lora, is_adapter, parse_lora
+from models.lora import apply_lora, is_adapter, stored_lora
 from training.checkpoints.zero_files import ZeroFiles, load_mapped
 from training.engines import load_full_state_dict
 from training.engines.optim import param_groups
@@ -78,7 +78,9 @@ def _pipeline_renamer(state: dict, config):
     return rename
 
 
-def _zero0_weights(folder: Path, config, lora: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _zero0_weights(
+    folder: Path, config, lora: dict | str | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """ZeRO-0 keeps the fp32 masters in the model-states file, grouped as our optimizer groups
     them; the module's own (16-bit) weights are the fallback."""
     states = load_mapped(folder / "mp_rank_00_model_states.pt")
@@ -97,13 +99,13 @@ def _zero0_weights(folder: Path, config, lora: str | None) -> Iterator[tuple[str
         yield name, t.float()
 
 
-def _group_names(config, lora: str | None = None) -> list[list[tuple[str, tuple]]]:
+def _group_names(config, lora: dict | str | None = None) -> list[list[tuple[str, tuple]]]:
     """Parameter names in the order the trainer's optimizer groups hold them (a LoRA run's: the
     adapters only; DeepSpeed keeps no empty group)."""
     model = _meta_model(config)
     if lora:
         with torch.device("meta"):
-            model = apply_lora(model, parse_lora(lora), seed=0)
+            model = apply_lora(model, stored_lora(lora), seed=0)
     names = {id(p): (n, tuple(p.shape)) for n, p in model.named_parameters()}
     groups = param_groups(model, 0.0)
     return [[names[id(p)] for p in g["params"]] for g in groups if g["params"]]
@@ -154,7 +156,7 @@ def load_lora_model(root: Path, tag: str, state: dict, dtype: torch.dtype = torc
         )
     config = config_from_dict(state["model_config"])
     base = build_model(base_folder, vocab_size=config.vocab_size)
-    model = apply_lora(base, parse_lora(state["lora"]), seed=0)
+    model = apply_lora(base, stored_lora(state["lora"]), seed=0)
     params = dict(model.named_parameters())
     found = set()
     with torch.no_grad():

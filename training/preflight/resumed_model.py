@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models import from_llama_config
-from models.lora import LoraSpec, parse_lora
+from models.lora import LoraSpec, stored_lora
 from training.checkpoints.resume_plan import ResumePlan
 from training.errors import CheckpointError
 
@@ -29,10 +29,13 @@ def check_resume_shape(
     """The checkpoint's recorded model config (and --lora spec) against the requested one,
     before ranks start (a state-dict traceback on every rank otherwise)."""
     state = plan.trainer_state()
-    if "lora" in state and parse(state["lora"]) != lora:
+    saved_lora = stored_lora(state.get("lora"))
+    if "lora" in state and saved_lora != lora:
         raise CheckpointError(
-            f"{plan.root / plan.tag} was trained with --lora {state['lora']}, this run asks for "
-            f"--lora {lora and lora.as_text()}; resume with the same --lora, or start a new run in another --out"
+            f"{plan.root / plan.tag} was trained with --lora "
+            f"{saved_lora and saved_lora.as_text()}, this run asks for --lora "
+            f"{lora and lora.as_text()}; resume with the same --lora, or start a new run in "
+            "another --out"
         )
     saved = state.get("model_config")
     if not isinstance(saved, dict):
@@ -47,7 +50,3 @@ def check_resume_shape(
                 f"{model} has {key}={wanted[key]!r}; resume with the model it was trained with, "
                 "or start a new run in another --out (or --resume never)"
             )
-
-
-def parse(lora: str | None):
-    return None if lora is None else parse_lora(lora)
