@@ -65,6 +65,10 @@ PLANTS = {
         "scale.json",
         lambda d: d["350M:zero2:1024"]["train"].update(tokens_per_s=999.0),
     ),
+    "scale_disk": (
+        "scale.json",
+        lambda d: d["2.7B:zero3_nvme:1024:ckpt"]["train"].update(checkpoint_bytes=31 * 2**30),
+    ),
 }
 
 

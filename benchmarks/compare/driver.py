@@ -165,7 +165,11 @@ def parser() -> argparse.ArgumentParser:
         default="",
         help="the raw rounds as JSON (default: benchmarks/results/compare_MODEL[LAYERS].json)",
     )
-    p.add_argument("--out", default="docs", help="where comparison.md and the PNGs go")
+    p.add_argument(
+        "--out",
+        default="runs/compare/report",
+        help="where comparison.md and the PNGs go (the docs render from --results instead)",
+    )
     p.add_argument("--runs", default="runs/compare", help="where the runs' folders go")
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     p.add_argument("--plain", action="store_true", help="add the loop in one process, all cores")
