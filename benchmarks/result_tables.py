@@ -374,7 +374,17 @@ def quickstart_cpu(results: Path) -> str:
 
 def doc_mask(results: Path) -> str:
     d = load(results, "doc_mask_attention.json")
+    return _doc_mask_table(d, d["rows"])
 
+
+def doc_mask_earlier(results: Path) -> str:
+    """The `earlier_run` entry of doc_mask_attention.json: the same command shortly before."""
+    d = load(results, "doc_mask_attention.json")
+    earlier = d["earlier_run"]
+    return f"{_doc_mask_table(d, earlier['rows'])}\n\nFrom the file: {earlier['note']}."
+
+
+def _doc_mask_table(d: dict, runs: list[dict]) -> str:
     def ms(x):
         return "-" if x is None else f"{x:.0f}"
 
@@ -388,7 +398,7 @@ def doc_mask(results: Path) -> str:
             ms(r["forward_backward_ms"]),
             where(d),
         ]
-        for r in d["rows"]
+        for r in runs
     ]
     head = [
         "sequence",

@@ -1,7 +1,9 @@
 """Every measured figure in a table of the README or docs/ is drawn from a committed raw result:
 it sits inside a section that `python -m benchmarks.docs_tables` writes. A table outside those
 sections whose cells read as measurements (tokens/s, times, bytes, percentages, ratios) fails,
-naming the file and line, unless it is listed below as arithmetic or a specification."""
+naming the file and line, unless it is listed below as arithmetic or a specification. A
+measured-looking figure in prose (a speed, a timing, a speed-up, an MFU) must name its raw file
+under benchmarks/results/ in the same paragraph, or be listed as no measurement."""
 
 from __future__ import annotations
 
@@ -170,3 +172,122 @@ def test_a_measured_table_planted_in_the_real_docs_fails(tmp_path):
     page.write_text(text + "\n| run | s / step |\n|---|---:|\n| pp=2, m=8 | 7.97 |\n")
     line = text.count("\n") + 2
     assert f"docs/pipeline.md:{line}: | run | s / step |" in unrendered(tmp_path)
+
+
+# Prose: a measured-looking figure in a sentence (a speed, a millisecond or fractional-second
+# timing, a fractional speed-up such as 1.8x, a share faster or slower, an MFU) must name its raw
+# file under benchmarks/results/ in the same paragraph. Whole seconds are left out: in prose they
+# are mostly timeouts and intervals set in code.
+PROSE_FIGURE = re.compile(
+    r"(?<![\w.`/=-])[0-9][0-9,]*(\.[0-9]+)?\s?(tokens/s|tok/s|[GT]FLOP/s|GB/s|ms)(?![\w/`])"
+    r"|(?<![\w.`/=-])[0-9]+\.[0-9]+\s?(s|x)(?![\w/`])"
+    r"|(?<![\w.`/=-])[0-9][0-9.]*\s?%\s?(faster|slower|MFU)\b"
+    r"|\bMFU (of |at )?[0-9][0-9.]*\s?%"
+)
+RAW_FILE = "benchmarks/results/"
+
+# Prose figures that are no measurement: (file, figure as written) -> why.
+NOT_MEASURED_PROSE = {
+    ("docs/checkpoints.md", "2.5x"): (
+        "the bound on a command's peak memory that tests/test_scale_memory.py holds, and the "
+        "arithmetic of one more fp32 copy against it"
+    ),
+    ("docs/parallelism.md", "450 GB/s"): "NVLink's bandwidth per direction, the vendor's figure",
+    ("docs/parallelism.md", "50 GB/s"): "InfiniBand's bandwidth per GPU, the vendor's figure",
+    ("docs/parallelism.md", "16 ms"): "bytes over the vendor's NVLink bandwidth: arithmetic",
+    ("docs/parallelism.md", "50 ms"): "a micro-batch's FLOPs over a vendor peak: arithmetic",
+    ("docs/parallelism.md", "400 TFLOP/s"): "an H100's bf16 rate, the vendor's order of magnitude",
+    ("docs/parallelism.md", "150 ms"): "bytes over the vendor's InfiniBand bandwidth: arithmetic",
+    ("docs/parallelism.md", "0.8 s"): "bytes over the vendor's InfiniBand bandwidth: arithmetic",
+    ("docs/pipeline.md", "1.12x"): "the pipeline bubble's arithmetic: 9 slots for 8 micro-batches",
+    ("docs/reliability.md", "0.5 s"): "how often the liveness watchdog checks, set in code",
+    ("docs/reliability.md", "0.1 s"): "torchrun's monitor interval, its default",
+    ("docs/reliability.md", "2.5 s"): "the roll call's window on a stop signal, set in code",
+    ("docs/scale.md", "0.25 s"): "how often the benchmark samples resident memory, set in code",
+    ("docs/scale.md", "5 ms"): "how often construction is sampled, set in code",
+}
+
+
+def _prose_paragraphs(text: str) -> list[tuple[int, str]]:
+    """(first line number, text) of each paragraph of `text` outside code blocks, tables and
+    generated sections; a list with no blank line between its items is one paragraph."""
+    spans = _generated(text)
+    out, lines, fenced, offset, start = [], [], False, 0, 1
+    for number, line in enumerate(text.split("\n"), 1):
+        at, offset = offset, offset + len(line) + 1
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        skip = fenced or any(a <= at < b for a, b in spans) or line.lstrip().startswith("|")
+        if skip or not line.strip():
+            if lines:
+                out.append((start, "\n".join(lines)))
+                lines = []
+            continue
+        if not lines:
+            start = number
+        lines.append(line)
+    if lines:
+        out.append((start, "\n".join(lines)))
+    return out
+
+
+def uncited_prose(root: Path = REPO) -> list[str]:
+    """'file:line: figure' for each measured-looking figure in the prose of the README and docs/
+    whose paragraph names no file under benchmarks/results/ and NOT_MEASURED_PROSE does not list."""
+    out = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        rel = path.relative_to(root).as_posix()
+        for start, paragraph in _prose_paragraphs(path.read_text()):
+            if RAW_FILE in paragraph:
+                continue
+            for m in PROSE_FIGURE.finditer(paragraph):
+                if (rel, m.group(0)) not in NOT_MEASURED_PROSE:
+                    line = start + paragraph[: m.start()].count("\n")
+                    out.append(f"{rel}:{line}: {m.group(0)}")
+    return out
+
+
+def test_every_measured_figure_in_prose_names_its_raw_file():
+    """Name the raw file under benchmarks/results/ in the figure's paragraph (or render it),
+    or take the figure out."""
+    assert uncited_prose() == []
+
+
+def test_every_listed_prose_exception_still_exists():
+    for (rel, figure), why in NOT_MEASURED_PROSE.items():
+        assert why
+        found = [m.group(0) for _, p in _prose_paragraphs((REPO / rel).read_text())
+                 for m in PROSE_FIGURE.finditer(p)]  # fmt: skip
+        assert figure in found, (rel, figure)
+
+
+def test_a_measured_sentence_planted_in_the_real_docs_fails(tmp_path):
+    """A copy of README.md and docs/ passes; the same copy with a speed-up stated in a sentence
+    fails, naming the page and line; naming its raw file in the paragraph passes it again."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text((REPO / "README.md").read_text())
+    for path in (REPO / "docs").glob("*.md"):
+        (tmp_path / "docs" / path.name).write_text(path.read_text())
+    assert uncited_prose(tmp_path) == []
+    page = tmp_path / "docs" / "pipeline.md"
+    text = page.read_text()
+    page.write_text(text + "\nThe new schedule ran 1.8x faster, at 4,100 tokens/s.\n")
+    line = text.count("\n") + 2
+    assert uncited_prose(tmp_path) == [
+        f"docs/pipeline.md:{line}: 1.8x",
+        f"docs/pipeline.md:{line}: 4,100 tokens/s",
+    ]
+    page.write_text(text + "\nThe new schedule ran 1.8x faster (benchmarks/results/pp.json).\n")
+    assert uncited_prose(tmp_path) == []
+
+
+def test_prose_figures_in_code_tables_or_markers_pass(tmp_path):
+    s = next(s for s in SECTIONS if s.name == "lora")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(
+        f"{s.begin}\nZeRO-2 ran 1.3x DDP at 12 ms a step.\n{s.finish}\n\n"
+        "```\nZeRO-2 ran 1.3x DDP\n```\n\n"
+        "A timeout of 30 s, 8 ranks, 2x the memory, 10% of the cores.\n"
+    )
+    assert uncited_prose(tmp_path) == []

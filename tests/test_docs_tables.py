@@ -32,6 +32,10 @@ PLANTS = {
         lambda d: d["runs"]["native--compile"].update(first_step_s=11.0),
     ),
     "lora": ("lora.json", lambda d: d["rows"][0].update(model_states_mb=120.3)),
+    "doc_mask_earlier": (
+        "doc_mask_attention.json",
+        lambda d: d["earlier_run"]["rows"][2].update(forward_backward_ms=999.0),
+    ),
     "moe": ("moe.json", lambda d: d["summary"][1].update(tokens_per_s=9999.0)),
     "trl_sft": ("trl_sft.json", lambda d: d["summary"][0].update(trained_tokens_per_s=3300.0)),
     "trl_dpo": ("trl_dpo.json", lambda d: d["fp32_check"][0]["loss_step1"].__setitem__(1, 0.7)),
