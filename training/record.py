@@ -177,6 +177,7 @@ def trainer_facts(record: dict) -> dict:
         "data_sha256": record["data"].get("sha256"),
         "model_config": record["model_config"],
         "precision": record["precision"],  # an "auto" resume keeps it (exact resume)
+        "optimizer": flags["optimizer"],  # its states fit no other (preflight/recipe_change.py)
         # --lora: the adapters' spec (its fields: models/lora.py stored_lora reads them back),
         # and the frozen model they sit on (what export loads)
         "lora": record["lora_spec"],

@@ -36,12 +36,16 @@ class StepResult:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW's hyper-parameters (the learning rate is the schedule's start; `set_lr` moves it)."""
+    """The optimizer's hyper-parameters (the learning rate is the schedule's start; `set_lr`
+    moves it)."""
 
     lr: float
     betas: tuple[float, float]
     eps: float
     weight_decay: float  # on matrices only (engines/optim.py)
+    # Muon's peak learning rate on the blocks' matrices (engines/optim.py: muon_split); None:
+    # AdamW on everything
+    muon_lr: float | None = None
 
 
 class Engine(ABC):

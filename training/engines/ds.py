@@ -22,7 +22,7 @@ from models import transformer_blocks
 from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.expert_parallel import capture_router_logits
 from training.engines.nonfinite import poison
-from training.engines.optim import adamw, param_groups
+from training.engines.optim import adamw, group_lr, param_groups, tag_muon
 from training.engines.overflow import fuse_overflow_test
 from training.engines.sequence import SequenceParallel
 from training.engines.spike_guard import deepspeed_norm_checks
@@ -74,6 +74,19 @@ def stand_in_for_muon(ds_config: dict) -> bool:
     return True
 
 
+def check_muon_tags(module, ours: set[str]) -> None:
+    """deepspeed.initialize tags parameters for Muon by its own rule (2-D+, not named embed or
+    lm_head); stop where that differs from ours (engines/optim.py: muon_split)."""
+    params = module.named_parameters()
+    theirs = {n for n, p in params if p.requires_grad and getattr(p, "use_muon", False)}
+    if theirs != ours:
+        differ = sorted(theirs ^ ours)
+        raise RuntimeError(
+            f"DeepSpeed's Muon split differs from zerostack's on {len(differ)} parameters "
+            f"(first: {differ[0]}): this model's layout does not fit --optimizer muon"
+        )
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
@@ -117,6 +130,7 @@ class DeepSpeedEngine(Engine):
             ds_config = {**ds_config, "gradient_allreduce_op": "sum"}
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
         # from the same parameter groups.
+        muon = tag_muon(model) if optimizer.muon_lr is not None else None
         stand_in_for_muon(ds_config)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
@@ -126,6 +140,9 @@ class DeepSpeedEngine(Engine):
             mpu=self.sequence.mpu if self.sequence else None,
         )
         fuse_overflow_test(self.engine.optimizer)  # ZeRO-1/2: one reduction per gradient
+        if muon is not None:
+            check_muon_tags(self.engine.module, muon)
+        self.optimizer_config = optimizer
         self.tensor_parallel = tp
         self.expert_parallel = parallel.expert_size(ds_config)
         if self.expert_parallel > 1:  # AutoEP replaced the routed MLPs
@@ -234,7 +251,7 @@ class DeepSpeedEngine(Engine):
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = group_lr(group, lr, self.optimizer_config)
 
     @torch.no_grad()
     def eval_loss(self, x, y, num_items=None, reference=None) -> torch.Tensor:

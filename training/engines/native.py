@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from training.engines.base import Engine, OptimizerConfig, StepResult
 from training.engines.nonfinite import poison
-from training.engines.optim import adamw, param_groups
+from training.engines.optim import group_lr, muon_split, native_optimizer
 from training.memory.state_bytes import state_bytes
 from training.runtime.flops import DTYPES
 
@@ -40,10 +40,10 @@ class NativeEngine(Engine):
         self.dtype = DTYPES[precision]
         self.grad_accum = grad_accum  # divides the loss, as DeepSpeed's engine.backward does
         self.grad_clip = grad_clip  # 0: no clipping
+        muon = muon_split(model)[0]  # by the block classes, which FSDP2's wrapping renames
         self.model = self._wrap(model.to(device))
-        self.optimizer = adamw(
-            param_groups(self.module, optimizer.weight_decay), optimizer, device_type=device.type
-        )
+        self.optimizer = native_optimizer(self.module, optimizer, muon, device_type=device.type)
+        self.optimizer_config = optimizer
         # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range and do not.
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
@@ -119,7 +119,7 @@ class NativeEngine(Engine):
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = group_lr(group, lr, self.optimizer_config)
 
     @torch.no_grad()
     def eval_loss(self, x, y, num_items=None, reference=None) -> torch.Tensor:

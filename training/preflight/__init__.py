@@ -30,6 +30,7 @@ from training.preflight.engine_support import (
     check_chat_data,
     check_engine,
     check_lora,
+    check_muon_model,
     check_parallel,
 )
 from training.preflight.followup_plan import background_bytes, plan_followups
@@ -157,6 +158,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
         nvme.check_aio(cfg_path)
     check_engine(config, cfg, cfg_path, precision)
     check_model(config, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
+    check_muon_model(config, model_cfg, cfg_path)
     attention = pick_attention_kernel(
         config.model.attention, device, config.data.seq_len, config.data.doc_mask
     )
@@ -188,9 +190,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
         model_config=model_cfg,
         topology=now,
         resume=resume,
-        optimizer=OptimizerConfig(
-            optimizer["lr"], tuple(optimizer["betas"]), optimizer["eps"], optimizer["weight_decay"]
-        ),
+        optimizer=optimizer_config(optimizer, config),
         schedule=Schedule(**schedule),
         activation_checkpointing=ds_config.activation_checkpointing(
             cfg, config.model.activation_checkpointing
@@ -205,6 +205,14 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
         recipe_changes=recipe_changes,
     )
     return choose_precision(config, prepared)
+
+
+def optimizer_config(values: dict, config: RunConfig) -> OptimizerConfig:
+    """The engines' optimizer numbers from the resolved ones (hparams.py), with Muon's lr under
+    --optimizer muon."""
+    muon = config.optim.muon_lr if config.optim.optimizer == "muon" else None
+    betas = tuple(values["betas"])
+    return OptimizerConfig(values["lr"], betas, values["eps"], values["weight_decay"], muon)
 
 
 def load_config(config: RunConfig, device: str) -> tuple[dict, str]:

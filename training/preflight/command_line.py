@@ -45,6 +45,11 @@ def check_flags(config: RunConfig) -> None:
         raise ConfigError(
             "--wandb: the wandb package is not installed; pip install wandb (or drop --wandb)"
         )
+    if config.optim.optimizer == "muon" and config.model.lora is not None:
+        raise ConfigError(
+            "--optimizer muon with --lora: Muon orthogonalizes whole hidden matrices, and "
+            "zerostack has not verified it on LoRA's low-rank adapters; use --optimizer adamw"
+        )
     for flag, given, needs in (
         ("--no-fsdp-reshard-after-forward", not config.engine.fsdp_reshard_after_forward, "fsdp"),
         ("--fsdp-cpu-offload", config.engine.fsdp_cpu_offload, "fsdp"),

@@ -27,6 +27,19 @@ def check_engine(config: RunConfig, cfg: dict, cfg_path: str, precision: str) ->
         raise ConfigError(f"{cfg_path}: pipeline configs need --backend deepspeed")
 
 
+def check_muon_model(config: RunConfig, model_cfg, cfg_path: str) -> None:
+    """--optimizer muon needs a dense model: experts are stacked 3-D tensors, which Muon's split
+    (engines/optim.py: muon_split) leaves to AdamW and DeepSpeed's Muon would take."""
+    text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if config.optim.optimizer == "muon" and experts:
+        raise ConfigError(
+            f"{cfg_path}: --optimizer muon with a mixture-of-experts model ({experts} experts): "
+            "its experts are stacked 3-D weights, which zerostack's Muon split does not take; "
+            "use --optimizer adamw"
+        )
+
+
 def check_parallel(
     config: RunConfig, cfg: dict, layout: parallel.Layout, model_cfg, cfg_path: str
 ) -> None:

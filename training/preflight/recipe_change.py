@@ -38,6 +38,20 @@ def check_recipe(plan: ResumePlan | None, config: RunConfig, now: dict) -> dict[
     if plan is None:
         return {}
     state = plan.trainer_state()
+    # a checkpoint written before the optimizer was recorded is AdamW's (the only one then)
+    kind = state.get("optimizer", "adamw")
+    if kind != config.optim.optimizer:
+        raise CheckpointError(
+            f"{plan.root / plan.tag} was trained with --optimizer {kind}, this run asks for "
+            f"--optimizer {config.optim.optimizer}: its optimizer states fit no other optimizer; "
+            f"resume with --optimizer {kind}"
+        )
+    if plan.universal and config.optim.optimizer == "muon":
+        raise CheckpointError(
+            f"{plan.root / plan.tag}: --optimizer muon through a universal copy (another world "
+            "size or layout): DeepSpeed's universal copy carries Adam's states, not Muon's "
+            "momentum; resume on the checkpoint's own layout"
+        )
     saved = {"seq_len": state.get("seq_len"), "global_batch": state.get("global_batch")}
     saved["data"] = state.get("data_sha256")
     changes = {}

@@ -214,7 +214,8 @@ def resolve(
     # Settings the trainer owns, written into DeepSpeed's sections where they are "auto".
     swap_path, swap_buffer = swap or ("nvme_swap", DEFAULT_NVME_BUFFER)
     autos = {
-        "gradient_clipping": DEFAULT_GRAD_CLIP,
+        # Muon: no clipping by default on every engine (see check_muon)
+        "gradient_clipping": 0.0 if optim.optimizer == "muon" else DEFAULT_GRAD_CLIP,
         "optimizer.params.lr": optimizer["lr"],
         "optimizer.params.betas": optimizer["betas"],
         "optimizer.params.eps": optimizer["eps"],
@@ -239,7 +240,59 @@ def resolve(
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
         _set(cfg, path, autos[path])
     hparams.resolve_schedule(cfg, optim, optimizer["lr"], source)
+    if optim.optimizer == "muon" and engine.backend == "deepspeed":
+        cfg["optimizer"] = hparams.muon_section(cfg, optimizer, optim)
+        if zero_stage(cfg) == 3:  # DeepSpeed's ZeRO-3 refuses Muon with reduce-scatter
+            cfg["zero_optimization"]["reduce_scatter"] = False
+        if zero_stage(cfg) == 0 and precision(cfg) == "bf16":
+            raise ConfigError(
+                f"{source}: --optimizer muon with ZeRO-0 in bf16: DeepSpeed's ZeRO-0 sums bf16 "
+                "gradients in bf16 and its bf16 Muon needs fp32 sums; use ZeRO-1, 2 or 3, "
+                "--precision fp32, or --backend ddp"
+            )
     return cfg
+
+
+def check_muon(cfg: dict, optim: OptimConfig, source: str, backend: str = "deepspeed") -> None:
+    """--optimizer muon against what the config asks for: refuses what DeepSpeed's Muon does not
+    run (its bf16 Muon takes no model-parallel groups and no MoE layers; ZeRO-3's takes no
+    reduce-scatter), what zerostack has not verified with it (offload), and gradient clipping
+    under ZeRO 1-3, where DeepSpeed clips Muon's orthogonalized update instead of the gradient
+    (its norm is about 20x the gradient's on the tiny preset, so every step would shrink by
+    that): the same clip would mean another step than on ZeRO-0, DDP and FSDP2."""
+    if optim.optimizer != "muon":
+        return
+    clip = cfg.get("gradient_clipping", "auto")
+    if backend == "deepspeed" and zero_stage(cfg) > 0 and clip != "auto" and float(clip) > 0:
+        raise ConfigError(
+            f"{source}: --optimizer muon with gradient clipping ({clip}) under ZeRO-"
+            f"{zero_stage(cfg)}: DeepSpeed clips Muon's orthogonalized update there, not the "
+            "gradient; use --grad-clip 0 (Muon's default), or ZeRO-0, --backend ddp or fsdp"
+        )
+    zero = cfg.get("zero_optimization", {})
+    offload = [k for k in ("offload_optimizer", "offload_param") if _offloads(zero.get(k))]
+    why = None
+    if offload:
+        why = (
+            f"zero_optimization.{offload[0]}: Muon is run on the device only (its offload "
+            "path is not verified here); drop the offload or use --optimizer adamw"
+        )
+    elif pipeline_stages(cfg) > 1:
+        why = "pipeline parallelism: DeepSpeed's Muon takes no model-parallel groups"
+    elif parallel.tensor_size(cfg) > 1:
+        why = "tensor parallelism: Muon would orthogonalize each rank's slice of a matrix"
+    elif parallel.sequence_size(cfg) > 1:
+        why = "sequence parallelism: DeepSpeed's Muon takes no model-parallel groups"
+    elif parallel.expert_size(cfg) > 1:
+        why = "expert parallelism: DeepSpeed's Muon takes no MoE layers"
+    elif zero_stage(cfg) == 3 and zero.get("reduce_scatter") is True:
+        why = "zero_optimization.reduce_scatter true: DeepSpeed's ZeRO-3 Muon refuses it"
+    if why:
+        raise ConfigError(f"{source}: --optimizer muon with {why}")
+
+
+def _offloads(section) -> bool:
+    return isinstance(section, dict) and section.get("device", "none") not in ("none", None)
 
 
 def resolve_held(raw: dict, holds: Callable[[dict], bool], **kw) -> dict:
@@ -289,6 +342,7 @@ def precheck(
             raise ConfigError(f'{source}: cannot resolve "auto" for {path}; give a value')
     hparams.resolve_optimizer(copy.deepcopy(cfg), optim, backend, source)
     hparams.resolve_schedule(copy.deepcopy(cfg), optim, 1e-3, source)
+    check_muon(cfg, optim, source, backend)
     return cfg
 
 

@@ -6,7 +6,8 @@ The JSON's `optimizer` section (type Adam or AdamW) gives lr, betas, eps and wei
 training/loop/schedule.py exactly as DeepSpeed's own class would (every engine, not only
 DeepSpeed's, so it is one pure function of the step). Without a scheduler section the schedule is
 zerostack's: linear warmup, cosine decay to --min-lr-ratio. The resolved numbers are written
-back into both sections, so the run's resolved_config.json says what was used.
+back into both sections, so the run's resolved_config.json says what was used. With
+--optimizer muon on DeepSpeed the section becomes DeepSpeed's Muon (`muon_section`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ DEFAULT_WARMUP = 20
 DEFAULT_MIN_LR_RATIO = 0.1
 
 OPTIMIZERS = ("adam", "adamw")  # DeepSpeed reads the type case-insensitively
-# The rest of DeepSpeed's optimizer types: known, but zerostack wires Adam/AdamW only.
-OTHER_DS_OPTIMIZERS = ("adagrad", "lamb", "lion", "muadam", "muadamw", "musgd", "muon")
+# The rest of DeepSpeed's optimizer types: known, but zerostack wires Adam/AdamW (and Muon, by
+# --optimizer muon) only.
+OTHER_DS_OPTIMIZERS = ("adagrad", "lamb", "lion", "muadam", "muadamw", "musgd")
+# --optimizer muon on DeepSpeed: the section is DeepSpeed's Muon, whose params also take these
+MUON_PARAMS = ("muon_lr", "adam_lr", "momentum", "ns_method")
+MUON_MOMENTUM = 0.95  # Muon's (Keller Jordan's, DeepSpeed's and torch's default)
 # What each backend applies of optimizer.params: DeepSpeed's Adam takes its own switches; the
 # native engines build torch AdamW from the four numbers.
 OPTIMIZER_PARAMS = {
@@ -63,11 +68,12 @@ def resolve_optimizer(cfg: dict, optim: OptimConfig, backend: str, source: str) 
     if section is not None:
         if not isinstance(section, dict):
             raise ConfigError(f"{source}: optimizer must be an object with type and params")
-        _check_optimizer_type(section.get("type"), source)
+        muon = _check_optimizer_type(section.get("type"), optim, source)
         params = section.get("params", {})
         if not isinstance(params, dict):
             raise ConfigError(f"{source}: optimizer.params must be an object")
         allowed = OPTIMIZER_PARAMS["deepspeed" if backend == "deepspeed" else "native"]
+        allowed = allowed + MUON_PARAMS if muon else allowed
         extra = sorted(set(section) - {"type", "params"})
         if extra:
             raise ConfigError(
@@ -212,11 +218,29 @@ def _pick(name: str, flag_value, config_value, default, source: str):
     return config_value
 
 
-def _check_optimizer_type(kind, source: str) -> None:
+def muon_section(cfg: dict, values: dict, optim: OptimConfig) -> dict:
+    """DeepSpeed's Muon section for --optimizer muon: the resolved AdamW numbers (`values`) for
+    the embeddings, norms and biases, --muon-lr and Muon's momentum for the blocks' matrices.
+    Newton-Schulz as torch.optim.Muon runs it (the native engines'), not DeepSpeed's Gram
+    variant, so every engine takes the same step."""
+    params = cfg.get("optimizer", {}).get("params", {})
+    muon = {"muon_lr": optim.muon_lr, "adam_lr": values["lr"], "momentum": MUON_MOMENTUM}
+    return {"type": "Muon", "params": {**params, **values, **muon, "ns_method": "standard"}}
+
+
+def _check_optimizer_type(kind, optim: OptimConfig, source: str) -> bool:
+    """Refuses a type zerostack does not run; returns whether it is Muon."""
     if not isinstance(kind, str):
         raise ConfigError(f'{source}: optimizer.type must be a name such as "AdamW", got {kind!r}')
+    if kind.lower() == "muon":
+        if optim.optimizer != "muon":
+            raise ConfigError(
+                f"{source}: optimizer.type {kind!r}: Muon is chosen with --optimizer muon "
+                "(which writes this section and splits the parameters); add the flag"
+            )
+        return True
     if kind.lower() in OPTIMIZERS:
-        return
+        return False
     if kind.lower() in OTHER_DS_OPTIMIZERS:
         raise ConfigError(
             f"{source}: optimizer.type {kind!r} is a DeepSpeed optimizer zerostack does not "

@@ -195,9 +195,25 @@ class OptimConfig:
         low=0,
         need="0 or more",
     )
+    optimizer: Literal["adamw", "muon"] = setting(
+        "adamw",
+        "adamw: AdamW on every parameter; muon: Muon (momentum orthogonalized by Newton-Schulz) "
+        "on the 2-D weight matrices inside the transformer blocks, AdamW (--lr, betas, "
+        "--weight-decay) on embeddings, the lm head, norms and biases; every engine "
+        "(DeepSpeed's Muon on ZeRO 0-3, ZeRO-0 in fp32 only; torch.optim.Muon on ddp and fsdp); "
+        "not with offload, pipeline, tensor, sequence or expert parallelism, LoRA or a "
+        "mixture-of-experts model (docs/training.md)",
+    )
+    muon_lr: float = setting(
+        0.02,
+        "--optimizer muon: Muon's peak learning rate; it follows the schedule in proportion "
+        "to --lr",
+        low=0,
+        need="0 or more",
+    )
     weight_decay: float | None = setting(
         None,
-        "AdamW weight decay on matrices",
+        "AdamW weight decay on matrices (with --optimizer muon also Muon's, decoupled)",
         shown="the config's optimizer.params.weight_decay, else 0.1",
         aliases=["--weight_decay"],
         low=0,

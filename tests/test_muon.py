@@ -1,0 +1,161 @@
+"""--optimizer muon: Muon on the transformer blocks' weight matrices, AdamW on the rest, on every
+engine (DeepSpeed's Muon on ZeRO, torch.optim.Muon on DDP and FSDP2). The split, a run that
+trains and is not AdamW's, the same steps on 1 and 2 ranks and on DeepSpeed and DDP, an exact
+resume, and the refusals before any work."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TINY_RUN, launch, read_metrics, refused
+
+from training.engines.base import OptimizerConfig
+from training.engines.optim import muon_split, native_optimizer
+
+# DeepSpeed's Muon compiles its Newton-Schulz with inductor for every matrix shape, minutes on
+# a 2-core CPU; the test runs take the same steps eagerly.
+EAGER = {"TORCH_COMPILE_DISABLE": "1"}
+STEPS = 8
+# fp32, and Muon's default of no clipping (under ZeRO 1-3 DeepSpeed would clip the orthogonalized
+# update where ZeRO-0, DDP and FSDP2 clip the gradient: refused there). The same 2 sequences a
+# step on 1 rank (2 micro-steps) and on 2.
+RUN = [*TINY_RUN, "--micro-batch", "1", "--steps", str(STEPS), "--precision", "fp32",
+       "--lr", "3e-3"]  # fmt: skip
+MATRIX = re.compile(r"layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight")
+
+
+def test_the_split_puts_exactly_the_blocks_matrices_in_muon():
+    """The blocks' attention and MLP projections to Muon; the embedding (tied to the head) and
+    the norms to AdamW, as DeepSpeed's own tagging would put them (its Muon reads those tags);
+    the native engines' optimizer steps each in its half."""
+    import deepspeed
+
+    from models import build_model
+
+    model = build_model("tiny", vocab_size=256)
+    muon, rest = muon_split(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert muon == [n for n in names if MATRIX.fullmatch(n)] and len(muon) == 14
+    assert rest == [n for n in names if n not in muon]
+    assert "tok_embeddings.weight" in rest and all("norm" in n for n in rest[1:])
+    config = SimpleNamespace(optimizer_name="muon", optimizer_params={})
+    deepspeed.set_optimizer_flags(config, model)
+    assert [n for n, p in model.named_parameters() if p.use_muon] == muon
+    opt = native_optimizer(model, OptimizerConfig(1e-3, (0.9, 0.95), 1e-8, 0.1, 0.02), muon,
+                           device_type="cpu")  # fmt: skip
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    assert [by_id[id(p)] for p in opt.muon.param_groups[0]["params"]] == muon
+    assert isinstance(opt.muon, torch.optim.Muon) and isinstance(opt.adamw, torch.optim.AdamW)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory) -> dict:
+    """ZeRO-2 on 1 rank (Muon and AdamW) and on 2, DDP on 2 with a checkpoint at step 4, FSDP2
+    on 2."""
+    base, out = tmp_path_factory.mktemp("muon"), {}
+
+    def run(name, nproc, *extra):
+        out[name] = base / name
+        args = ["--data", str(tiny_data), *RUN, "--out", str(out[name]), *extra]
+        launch(args, nproc=nproc, env=EAGER)
+
+    zero2 = ("--ds_config", "ds_configs/zero2.json")
+    run("zero2_1", 1, *zero2, "--grad-accum", "2", "--optimizer", "muon", "--save-every", "0")
+    run("adamw_1", 1, *zero2, "--grad-accum", "2", "--save-every", "0")
+    run("zero2_2", 2, *zero2, "--optimizer", "muon", "--save-every", "0")
+    run("ddp_2", 2, "--backend", "ddp", "--optimizer", "muon", "--save-every", "4")
+    run("fsdp_2", 2, "--backend", "fsdp", "--optimizer", "muon", "--save-every", "0")
+    return out
+
+
+def _losses(run) -> list[float]:
+    return [r["loss"] for r in read_metrics(run)]
+
+
+@pytest.mark.slow
+def test_a_muon_run_trains_and_is_not_adamw(runs):
+    muon, adamw = _losses(runs["zero2_1"]), _losses(runs["adamw_1"])
+    assert len(muon) == STEPS and sum(muon[-3:]) < sum(muon[:3]) - 0.3, muon  # it learns
+    assert muon[0] == adamw[0] and all(a != b for a, b in zip(muon[1:], adamw[1:])), (muon, adamw)
+    resolved = json.loads((runs["zero2_1"] / "resolved_config.json").read_text())
+    section = resolved["ds_config"]["optimizer"]
+    assert section["type"] == "Muon" and section["params"]["muon_lr"] == 0.02, section
+    assert resolved["ds_config"]["gradient_clipping"] == 0.0  # Muon's default on every engine
+    adamw = json.loads((runs["adamw_1"] / "resolved_config.json").read_text())
+    assert adamw["ds_config"]["gradient_clipping"] == 1.0
+
+
+@pytest.mark.slow
+def test_muon_takes_the_same_steps_on_2_ranks_and_on_ddp_and_fsdp(runs):
+    """ZeRO-2 on 2 ranks (each rank orthogonalizes the matrices of its partition), DDP's
+    torch.optim.Muon and FSDP2's (on sharded matrices) against ZeRO-2 on 1 rank, under the
+    cross-engine tests' bound (tests/test_engines.py: 1e-3 relative; measured within 1e-4)."""
+    ref = _losses(runs["zero2_1"])
+    for name in ("zero2_2", "ddp_2", "fsdp_2"):
+        for step, (a, b) in enumerate(zip(_losses(runs[name]), ref, strict=True), 1):
+            assert abs(a - b) <= 1e-3 * b, (name, step, _losses(runs[name]), ref)
+
+
+@pytest.mark.slow
+def test_a_muon_run_resumes_exactly(runs, tiny_data, tmp_path):
+    """DDP's checkpoint at step 4 (Muon's momentum and AdamW's moments in one optimizer state)
+    continues to the same losses, bit for bit."""
+    out = tmp_path / "resumed"
+    args = ["--data", str(tiny_data), *RUN, "--out", str(out), "--backend", "ddp",
+            "--optimizer", "muon", "--save-every", "0",
+            "--resume", str(runs["ddp_2"] / "checkpoints" / "step_00000004")]  # fmt: skip
+    r = launch(args, nproc=2, env=EAGER)
+    assert "resumed from step_00000004" in r.stdout + r.stderr
+    straight, resumed = read_metrics(runs["ddp_2"])[4:], read_metrics(out)
+    assert [x["step"] for x in resumed] == list(range(5, STEPS + 1))
+    assert [(x["loss"], x["grad_norm"]) for x in resumed] == [
+        (x["loss"], x["grad_norm"]) for x in straight
+    ]
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_its_optimizer(runs, tiny_data, tmp_path, capsys, monkeypatch):
+    step4 = runs["ddp_2"] / "checkpoints" / "step_00000004"
+    argv = ["--data", str(tiny_data), *RUN, "--out", str(tmp_path / "run"), "--backend", "ddp",
+            "--resume", str(step4)]  # fmt: skip
+    err = refused(capsys, monkeypatch, tmp_path, argv)
+    assert "was trained with --optimizer muon, this run asks for --optimizer adamw" in err
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--ds_config", "ds_configs/zero2_offload.json"], "zero_optimization.offload_optimizer"),
+        (["--ds_config", "ds_configs/zero3_offload.json"], "zero_optimization.offload_"),
+        (["--ds_config", "ds_configs/pipeline.json"], "pipeline parallelism"),
+        (["--ds_config", "ds_configs/tp2.json"], "tensor parallelism"),
+        (["--ds_config", "ds_configs/sp2.json"], "sequence parallelism"),
+        (["--lora", "r=4"], "--optimizer muon with --lora"),
+        (["--ds_config", "ds_configs/zero0.json", "--precision", "bf16"], "ZeRO-0 in bf16"),
+        (["--model", "tiny-moe"], "mixture-of-experts model"),
+        (
+            ["--ds_config", "ds_configs/zero2.json", "--grad-clip", "1"],
+            "clipping (1.0) under ZeRO-2",
+        ),
+    ],
+)
+def test_muon_is_refused_in_one_line_where_it_does_not_run(
+    extra, says, tiny_data, tmp_path, capsys, monkeypatch
+):
+    argv = ["--data", str(tiny_data), *TINY_RUN, "--out", str(tmp_path / "run"),
+            "--optimizer", "muon", *extra]  # fmt: skip
+    err = refused(capsys, monkeypatch, tmp_path, argv)
+    assert says in err and ("--optimizer muon" in err), err
+
+
+def test_a_muon_section_needs_the_flag(tiny_data, tmp_path, capsys, monkeypatch):
+    config = tmp_path / "muon.json"
+    config.write_text(json.dumps({"optimizer": {"type": "Muon", "params": {}}}))
+    argv = ["--data", str(tiny_data), *TINY_RUN, "--out", str(tmp_path / "run"),
+            "--ds_config", str(config)]  # fmt: skip
+    err = refused(capsys, monkeypatch, tmp_path, argv)
+    assert "Muon is chosen with --optimizer muon" in err
