@@ -16,8 +16,8 @@ from conftest import TINY_RUN, launch, read_metrics, refused
 from training.engines.base import OptimizerConfig
 from training.engines.optim import muon_split, native_optimizer
 
-# DeepSpeed's Muon compiles its Newton-Schulz with inductor for every matrix shape, minutes on
-# a 2-core CPU; the test runs take the same steps eagerly.
+# torch.compile off: DeepSpeed's Muon as it runs without its compile wrappers (the reference of
+# the patch that runs it so on a CPU, engines/ds.py: eager_muon_on_cpu)
 EAGER = {"TORCH_COMPILE_DISABLE": "1"}
 STEPS = 8
 # fp32, and Muon's default of no clipping (under ZeRO 1-3 DeepSpeed would clip the orthogonalized
@@ -61,7 +61,7 @@ def runs(tiny_data, tmp_path_factory) -> dict:
     def run(name, nproc, *extra):
         out[name] = base / name
         args = ["--data", str(tiny_data), *RUN, "--out", str(out[name]), *extra]
-        launch(args, nproc=nproc, env=EAGER)
+        launch(args, nproc=nproc)
 
     zero2 = ("--ds_config", "ds_configs/zero2.json")
     run("zero2_1", 1, *zero2, "--grad-accum", "2", "--optimizer", "muon", "--save-every", "0")
@@ -108,7 +108,7 @@ def test_a_muon_run_resumes_exactly(runs, tiny_data, tmp_path):
     args = ["--data", str(tiny_data), *RUN, "--out", str(out), "--backend", "ddp",
             "--optimizer", "muon", "--save-every", "0",
             "--resume", str(runs["ddp_2"] / "checkpoints" / "step_00000004")]  # fmt: skip
-    r = launch(args, nproc=2, env=EAGER)
+    r = launch(args, nproc=2)
     assert "resumed from step_00000004" in r.stdout + r.stderr
     straight, resumed = read_metrics(runs["ddp_2"])[4:], read_metrics(out)
     assert [x["step"] for x in resumed] == list(range(5, STEPS + 1))
@@ -159,3 +159,59 @@ def test_a_muon_section_needs_the_flag(tiny_data, tmp_path, capsys, monkeypatch)
             "--ds_config", str(config)]  # fmt: skip
     err = refused(capsys, monkeypatch, tmp_path, argv)
     assert "Muon is chosen with --optimizer muon" in err
+
+
+EAGER_SCRIPT = """
+import json, os, sys, torch, deepspeed
+from training.engines.ds import eager_muon_on_cpu
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+os.environ["MASTER_PORT"] = sys.argv[1]
+deepspeed.init_distributed("gloo")
+params = {"lr": 1e-3, "muon_lr": 0.02, "adam_lr": 1e-3, "momentum": 0.95,
+          "ns_method": "standard", "weight_decay": 0.0}
+config = {"train_batch_size": 2, "zero_optimization": {"stage": 2},
+          "optimizer": {"type": "Muon", "params": params}}
+eager = eager_muon_on_cpu(config, "cpu") if sys.argv[2] == "patched" else False
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+x, losses = torch.randn(2, 8), []
+for _ in range(3):
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+print(json.dumps({"eager": eager, "losses": losses, "graphs": graphs}))
+"""
+
+
+def _eager_run(mode: str, env: dict | None = None) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    p = subprocess.run(
+        [sys.executable, "-c", EAGER_SCRIPT, str(free_port()), mode],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # fresh interpreters, one of them compiling
+def test_deepspeeds_muon_runs_eagerly_on_a_cpu():
+    """Patched, DeepSpeed's Muon compiles nothing on a CPU and takes the steps its eager path
+    takes (stock with torch.compile off), bit for bit; stock compiles its Newton-Schulz."""
+    stock = _eager_run("stock")
+    stock_eager = _eager_run("stock", EAGER)
+    patched = _eager_run("patched")
+    assert stock["graphs"] > 0 and patched["graphs"] == 0 and patched["eager"]
+    assert patched["losses"] == stock_eager["losses"]
+    assert patched["losses"][0] == stock["losses"][0]  # the first step is before any update

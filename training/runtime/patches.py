@@ -99,6 +99,16 @@ PATCHES: dict[str, Patch] = {
         "tests/test_patches.py::test_the_muon_stand_in_trains_as_stock: stock against patched "
         "over ZeRO-1, 2 and 3 steps in bf16, and Muon never imported",
     ),
+    "muon_eager_on_cpu": Patch(
+        "deepspeed",
+        "0.19.8",
+        "0.19.8",
+        "engines/ds.py runs DeepSpeed's Muon update and Newton-Schulz eagerly on a CPU (their "
+        "torch.compile wrappers unwrapped); stock: inductor compiles them per matrix shape, "
+        "minutes of a small CPU's first steps",
+        "tests/test_muon.py::test_deepspeeds_muon_runs_eagerly_on_a_cpu: patched against "
+        "stock with torch.compile off, ZeRO-2 Muon steps bit for bit, no compiled graph",
+    ),
     "zero_overflow_fused": Patch(
         "deepspeed",
         "0.19.8",
