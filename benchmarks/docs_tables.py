@@ -46,6 +46,7 @@ from benchmarks.result_tables import (
     trl_sft,
 )
 from benchmarks.scale_tables import disk_arithmetic
+from benchmarks.time_to_loss import section as time_to_loss
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -103,6 +104,7 @@ def _scale_markers() -> tuple[str, str]:
 
 SECTIONS = [
     Section("engines_peer", "docs/benchmarks.md", engines_peer),
+    Section("time_to_loss", "docs/benchmarks.md", time_to_loss),
     Section("matmul_by_host", "docs/benchmarks.md", matmul_by_host),
     Section("precision_by_host", "docs/benchmarks.md", precision_by_host),
     Section("compile_cost", "docs/benchmarks.md", compile_cost),

@@ -40,6 +40,9 @@ NOT_MEASURED = {
     ("docs/gpu.md", "| row | what runs | budget s |"): (
         "each GPU check row's time budget, a limit set in benchmarks/gpu_plan.py"
     ),
+    ("docs/benchmarks.md", "| arm | how it runs | its numbers, and where they come from |"): (
+        "each time-to-loss arm's recipe (learning rates, warmup, schedule): settings, not results"
+    ),
     ("docs/settings.md", "| flag | default | `auto` means | read by |"): (
         "what each behaviour switch's `auto` resolves to, a rule of the code"
     ),

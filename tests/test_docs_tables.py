@@ -135,6 +135,47 @@ ADDED = {
             ],
         },
     ),
+    "time_to_loss": (
+        "time_to_loss.json",
+        {
+            "command": "python -m benchmarks.time_to_loss",
+            "date": "2026-11-26T10:00:00Z",
+            "host": {"class": "a test host", "cores": 2},
+            "job": {
+                "model": "small",
+                "layers": 0,
+                "ranks": 2,
+                "steps": 300,
+                "target": 5.2,
+                "max_minutes": 12,
+                "rounds": 1,
+                "eval_every": 10,
+                "eval_samples": 64,
+            },
+            "tokens_per_step": 2048,
+            "summary": {
+                "zerostack": {
+                    "rounds": 1,
+                    "reached": 1,
+                    "best_val_loss": 5.19,
+                    "wall_to_target_s": {"median": 500.0, "min": 500.0, "max": 500.0},
+                    "train_to_target_s": {"median": 480.0, "min": 480.0, "max": 480.0},
+                    "tokens_to_target": {"median": 1234.0, "min": 1234.0, "max": 1234.0},
+                    "steps_to_target": {"median": 120, "min": 120, "max": 120},
+                },
+                "hf_trainer": {
+                    "rounds": 1,
+                    "reached": 0,
+                    "best_val_loss": 6.1,
+                    "wall_to_target_s": None,
+                    "train_to_target_s": None,
+                    "tokens_to_target": None,
+                    "steps_to_target": None,
+                },
+            },
+            "ratios": {"zerostack": {"nanogpt": None, "hf_trainer": None}},
+        },
+    ),
     "attention_kernels": (
         "attention_kernels.json",
         {
@@ -215,7 +256,7 @@ def test_the_check_fails_naming_the_stale_table(tmp_path, capsys):
 
 def test_a_doc_without_its_markers_and_a_missing_folder_are_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="markers of table lora are missing"):
-        docs_tables.rewrite("# no markers\n", SECTIONS[4], "x")
+        docs_tables.rewrite("# no markers\n", next(s for s in SECTIONS if s.name == "lora"), "x")
     assert docs_tables.main(["--check", "--results", str(tmp_path / "gone")]) == 2
     assert capsys.readouterr().err.startswith("error: --results")
 

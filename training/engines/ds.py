@@ -78,6 +78,13 @@ def stand_in_for_muon(ds_config: dict) -> bool:
 NEWTON_SCHULZ = ("zeropower_via_newtonschulz5", "zeropower_via_gram_newtonschulz", "muon_update")
 
 
+def muon_modules(ds_config: dict, device_type: str) -> None:
+    """DeepSpeed's Muon modules as the run needs them: stand-ins where its optimizer is not
+    Muon, the eager update on a CPU where it is."""
+    stand_in_for_muon(ds_config)
+    eager_muon_on_cpu(ds_config, device_type)
+
+
 def eager_muon_on_cpu(ds_config: dict, device_type: str) -> bool:
     """In a Muon run on a CPU: DeepSpeed's Muon update and Newton-Schulz run eagerly, as
     torch.optim.Muon runs under DDP and FSDP2. Compiled, inductor builds them once per matrix
@@ -152,8 +159,7 @@ class DeepSpeedEngine(Engine):
         # With an "optimizer" section DeepSpeed builds its own (e.g. CPU Adam for offload)
         # from the same parameter groups.
         muon = tag_muon(model) if optimizer.muon_lr is not None else None
-        stand_in_for_muon(ds_config)
-        eager_muon_on_cpu(ds_config, device.type)
+        muon_modules(ds_config, device.type)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=torch_optimizer,
