@@ -215,3 +215,49 @@ def test_deepspeeds_muon_runs_eagerly_on_a_cpu():
     assert stock["graphs"] > 0 and patched["graphs"] == 0 and patched["eager"]
     assert patched["losses"] == stock_eager["losses"]
     assert patched["losses"][0] == stock["losses"][0]  # the first step is before any update
+
+
+UNTIED_SCRIPT = """
+import json, os, sys, torch, deepspeed
+from models import build_model
+from training.engines.ds import keep_muon_split
+from training.engines.optim import muon_split
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+os.environ["MASTER_PORT"] = sys.argv[1]
+deepspeed.init_distributed("gloo")
+params = {"lr": 1e-3, "muon_lr": 0.02, "adam_lr": 1e-3, "momentum": 0.95, "weight_decay": 0.0}
+config = {"train_batch_size": 2, "zero_optimization": {"stage": 2},
+          "optimizer": {"type": "Muon", "params": params}}
+kept = keep_muon_split(config) if sys.argv[2] == "patched" else False
+model = build_model("tiny", vocab_size=256, overrides={"tie_word_embeddings": False})
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+tagged = [n for n, p in engine.module.named_parameters() if p.use_muon]
+print(json.dumps({"kept": kept, "tagged": tagged, "ours": muon_split(model)[0]}))
+"""
+
+
+@pytest.mark.slow  # fresh interpreters
+def test_an_untied_head_stays_with_adamw_under_deepspeed():
+    """DeepSpeed's own rule gives a 2-D output head that is not named lm_head (ours, untied:
+    `output.weight`) to Muon; patched, its tags are zerostack's split, as under DDP and FSDP2."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    def run(mode: str) -> dict:
+        p = subprocess.run(
+            [sys.executable, "-c", UNTIED_SCRIPT, str(free_port()), mode],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    stock, patched = run("stock"), run("patched")
+    assert "output.weight" in stock["tagged"] and "output.weight" not in stock["ours"]
+    assert patched["kept"] and patched["tagged"] == patched["ours"]

@@ -80,9 +80,33 @@ NEWTON_SCHULZ = ("zeropower_via_newtonschulz5", "zeropower_via_gram_newtonschulz
 
 def muon_modules(ds_config: dict, device_type: str) -> None:
     """DeepSpeed's Muon modules as the run needs them: stand-ins where its optimizer is not
-    Muon, the eager update on a CPU where it is."""
+    Muon; where it is, zerostack's split kept and the eager update on a CPU."""
     stand_in_for_muon(ds_config)
+    keep_muon_split(ds_config)
     eager_muon_on_cpu(ds_config, device_type)
+
+
+def keep_muon_split(ds_config: dict) -> bool:
+    """In a Muon run: deepspeed.initialize tags the parameters by zerostack's split
+    (engines/optim.py: muon_split) right after its own rule (2-D or more, not named embed or
+    lm_head), which gives an untied output head (`output.weight`, a Llama folder's) to Muon
+    where torch.optim.Muon's split under DDP and FSDP2 leaves it to AdamW. Returns whether it
+    applied."""
+    wanted = str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
+    own = deepspeed.set_optimizer_flags
+    if not wanted or getattr(own, "keeps_muon_split", False):
+        return False
+    if not patches.verified("muon_split_tags"):
+        return False
+
+    def set_optimizer_flags(config_class, model) -> None:
+        own(config_class, model)
+        if str(config_class.optimizer_name).lower() == "muon":
+            tag_muon(model)
+
+    set_optimizer_flags.keeps_muon_split = True
+    deepspeed.set_optimizer_flags = set_optimizer_flags
+    return True
 
 
 def eager_muon_on_cpu(ds_config: dict, device_type: str) -> bool:

@@ -109,6 +109,16 @@ PATCHES: dict[str, Patch] = {
         "tests/test_muon.py::test_deepspeeds_muon_runs_eagerly_on_a_cpu: patched against "
         "stock with torch.compile off, ZeRO-2 Muon steps bit for bit, no compiled graph",
     ),
+    "muon_split_tags": Patch(
+        "deepspeed",
+        "0.19.8",
+        "0.19.8",
+        "engines/ds.py wraps deepspeed.set_optimizer_flags so that a Muon run's parameters are "
+        "tagged by zerostack's split after DeepSpeed's rule; stock: an untied output head goes "
+        "to Muon under DeepSpeed and to AdamW under DDP and FSDP2 (the run stops on the check)",
+        "tests/test_muon.py::test_an_untied_head_stays_with_adamw_under_deepspeed: patched "
+        "only (stock tags the head for Muon)",
+    ),
     "zero_overflow_fused": Patch(
         "deepspeed",
         "0.19.8",
