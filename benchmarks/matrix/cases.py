@@ -85,7 +85,8 @@ class Matrix:
         return next(iter(self.refusals(case)), None)
 
     def bound(self, case: dict[str, str]) -> float:
-        return float(self.raw["bounds"][case["precision"]])
+        muon = case.get("optimizer") == "muon" and "bounds_muon" in self.raw
+        return float(self.raw["bounds_muon" if muon else "bounds"][case["precision"]])
 
 
 def pairwise(matrix: Matrix, axes: dict[str, list[str]] | None = None) -> list[dict[str, str]]:

@@ -16,7 +16,8 @@ DOC = REPO / "docs" / "compatibility.md"
 # The pairs of axes drawn as tables (every other pair is counted in the summary alone).
 TABLES = (("layout", "objective"), ("layout", "model"), ("layout", "lora"),
           ("layout", "precision"), ("layout", "feature"), ("layout", "resume"),
-          ("objective", "model"), ("model", "lora"), ("objective", "feature"))  # fmt: skip
+          ("layout", "optimizer"), ("objective", "model"), ("model", "lora"),
+          ("objective", "feature"), ("optimizer", "resume"))  # fmt: skip
 
 HEAD = """# Compatibility: every combination, run or refused
 

@@ -126,9 +126,10 @@ class Runner:
         return result | {"outcome": "match"}
 
     def _reference(self, case: dict[str, str]) -> dict[int, float]:
-        """The reference's loss at each step, run once per objective, model, LoRA and mask."""
+        """The reference's loss at each step, run once per objective, model, LoRA, optimizer
+        and mask."""
         mask = "doc_mask" if case["feature"] == "doc_mask" else "plain"
-        key = (case["objective"], case["model"], case["lora"], mask)
+        key = (case["objective"], case["model"], case["lora"], case["optimizer"], mask)
         if key not in self.references:
             out = self.work / "references" / "-".join(key)
             ref = {**case, "feature": mask, "resume": "none", "precision": "fp32"}
@@ -147,7 +148,7 @@ class Runner:
         if "folder" in model:
             args += ["--model", str(self.inputs.folder(model["folder"]))]
         args += [*model.get("args", []), *objective.get("args", [])]
-        for axis in ("lora", "precision", "feature"):
+        for axis in ("lora", "optimizer", "precision", "feature"):
             args += axes[axis][case[axis]].get("args", [])
         if layout is not None:
             args += axes["layout"][layout]["args"]

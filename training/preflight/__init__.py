@@ -32,6 +32,7 @@ from training.preflight.engine_support import (
     check_lora,
     check_muon_model,
     check_parallel,
+    check_preference_precision,
 )
 from training.preflight.followup_plan import background_bytes, plan_followups
 from training.preflight.memory_fit import check_memory
@@ -157,6 +158,8 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     if config.engine.backend == "deepspeed" and nvme.nvme_sections(cfg):
         nvme.check_aio(cfg_path)
     check_engine(config, cfg, cfg_path, precision)
+    if want != "auto":  # an "auto" is checked once chosen (repick)
+        check_preference_precision(config, cfg, cfg_path, precision)
     check_model(config, model_cfg, manifest, ds_config.pipeline_stages(cfg), cfg_path)
     check_muon_model(config, model_cfg, cfg_path)
     attention = pick_attention_kernel(
@@ -286,6 +289,7 @@ def repick(config: RunConfig, prepared: Prepared, choice: Precision) -> Prepared
     """The prepared run in `choice`'s precision: where it differs from what was planned, the
     config and the switches resolved anew, and the engine and memory checks run again."""
     if choice.name == prepared.precision:
+        check_preference_precision(config, prepared.ds_config, prepared.config_path, choice.name)
         return replace(prepared, precision_choice=choice)
     raw, path, host = prepared.raw_config, prepared.config_path, prepared.host
     cfg, switches = resolve_with_switches(
@@ -297,6 +301,7 @@ def repick(config: RunConfig, prepared: Prepared, choice: Precision) -> Prepared
         prepared.model_config,
     )
     check_engine(config, cfg, path, choice.name)
+    check_preference_precision(config, cfg, path, choice.name)
     if config.engine.backend == "deepspeed":
         background = background_bytes(prepared.followups, prepared.shape.params)
         check_memory(config, cfg, path, prepared.shape, host.world, host.ranks_here, background)
