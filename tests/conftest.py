@@ -173,6 +173,21 @@ def pytest_runtest_makereport(item, call):
             report.outcome, report.longrepr = "failed", failure
 
 
+def fresh_interpreter(script: str, *args: str, env: dict | None = None):
+    """`script` run by `python -c` in a fresh interpreter (nothing imported before it starts),
+    with a free port as its first argument and `args` after; the JSON its last line prints."""
+    p = subprocess.run(
+        [sys.executable, "-c", script, str(free_port()), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def shm_has_room(ranks: int = 2) -> bool:
     """Whether /dev/shm can hold DeepSpeed's shared-memory segments (66 MiB per rank): without
     room the all-reduce route stays off (training/runtime/shm.py), and tests expect that."""

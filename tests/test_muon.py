@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY_RUN, launch, read_metrics, refused
+from conftest import TINY_RUN, fresh_interpreter, launch, read_metrics, refused
 
 from training.engines.base import OptimizerConfig
 from training.engines.optim import muon_split, native_optimizer
@@ -186,32 +186,13 @@ print(json.dumps({"eager": eager, "losses": losses, "graphs": graphs}))
 """
 
 
-def _eager_run(mode: str, env: dict | None = None) -> dict:
-    import os
-    import subprocess
-    import sys
-
-    from conftest import REPO, free_port
-
-    p = subprocess.run(
-        [sys.executable, "-c", EAGER_SCRIPT, str(free_port()), mode],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow  # fresh interpreters, one of them compiling
 def test_deepspeeds_muon_runs_eagerly_on_a_cpu():
     """Patched, DeepSpeed's Muon compiles nothing on a CPU and takes the steps its eager path
     takes (stock with torch.compile off), bit for bit; stock compiles its Newton-Schulz."""
-    stock = _eager_run("stock")
-    stock_eager = _eager_run("stock", EAGER)
-    patched = _eager_run("patched")
+    stock = fresh_interpreter(EAGER_SCRIPT, "stock")
+    stock_eager = fresh_interpreter(EAGER_SCRIPT, "stock", env=EAGER)
+    patched = fresh_interpreter(EAGER_SCRIPT, "patched")
     assert stock["graphs"] > 0 and patched["graphs"] == 0 and patched["eager"]
     assert patched["losses"] == stock_eager["losses"]
     assert patched["losses"][0] == stock["losses"][0]  # the first step is before any update
@@ -240,24 +221,7 @@ print(json.dumps({"kept": kept, "tagged": tagged, "ours": muon_split(model)[0]})
 def test_an_untied_head_stays_with_adamw_under_deepspeed():
     """DeepSpeed's own rule gives a 2-D output head that is not named lm_head (ours, untied:
     `output.weight`) to Muon; patched, its tags are zerostack's split, as under DDP and FSDP2."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import REPO, free_port
-
-    def run(mode: str) -> dict:
-        p = subprocess.run(
-            [sys.executable, "-c", UNTIED_SCRIPT, str(free_port()), mode],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        assert p.returncode == 0, p.stderr[-3000:]
-        return json.loads(p.stdout.strip().splitlines()[-1])
-
-    stock, patched = run("stock"), run("patched")
+    stock = fresh_interpreter(UNTIED_SCRIPT, "stock")
+    patched = fresh_interpreter(UNTIED_SCRIPT, "patched")
     assert "output.weight" in stock["tagged"] and "output.weight" not in stock["ours"]
     assert patched["kept"] and patched["tagged"] == patched["ours"]

@@ -4,13 +4,8 @@ planted in any one of them, in a fraction of the ops."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, free_port
+from conftest import fresh_interpreter
 
 SCRIPT = """
 import json, os, sys, torch, deepspeed
@@ -69,16 +64,7 @@ print(json.dumps(report))
 
 @pytest.mark.slow  # a fresh interpreter
 def test_the_fused_overflow_test_answers_as_stock():
-    p = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(free_port())],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    report = json.loads(p.stdout.strip().splitlines()[-1])
+    report = fresh_interpreter(SCRIPT)
     assert set(report) == {"1-fp32", "1-bf16", "2-fp32", "2-bf16"}
     assert report.pop("1-fp32") == {"fused": False, "kind": "BF16_Optimizer"}
     for case, r in report.items():

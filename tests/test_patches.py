@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, TINY_RUN, free_port, launch, read_metrics, shm_has_room
+from conftest import TINY_RUN, fresh_interpreter, launch, read_metrics, shm_has_room
 
 from training.runtime import patches
 
@@ -162,19 +159,6 @@ print(json.dumps([losses, stood_in, muon]))
 """
 
 
-def _muon_run(mode: str) -> list:
-    p = subprocess.run(
-        [sys.executable, "-c", MUON_RUN, str(free_port()), mode],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow  # fresh interpreters
 def test_the_muon_stand_in_trains_as_stock():
     """Stock against patched, each in a fresh interpreter: three bf16 steps under the bf16
@@ -183,8 +167,8 @@ def test_the_muon_stand_in_trains_as_stock():
     none of them. A run that asks for Muon gets no stand-in."""
     from training.engines.ds import stand_in_for_muon
 
-    stock_losses, _, stock_muon = _muon_run("stock")
-    patched_losses, stood_in, patched_muon = _muon_run("patched")
+    stock_losses, _, stock_muon = fresh_interpreter(MUON_RUN, "stock")
+    patched_losses, stood_in, patched_muon = fresh_interpreter(MUON_RUN, "patched")
     assert patched_losses == stock_losses
     assert stood_in == [True, False, False, False]  # once per process
     assert stock_muon and patched_muon == []  # stand-ins are no files
