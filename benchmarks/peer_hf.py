@@ -29,6 +29,26 @@ from training.runtime import distributed
 REPO = Path(__file__).resolve().parent.parent
 
 
+def train_windows(data_path, seq_len: int):
+    """The training windows of a prepared folder as the HF Trainer takes them (a dataset of
+    {input_ids, labels}; the model shifts the labels)."""
+    import torch
+
+    from data import TokenDataset
+
+    windows = TokenDataset(data_path, "train", seq_len)
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(windows)
+
+        def __getitem__(self, i):
+            w = torch.from_numpy(windows[i])
+            return {"input_ids": w[:-1], "labels": w[:-1]}
+
+    return Windows()
+
+
 def as_transformers_llama(model):
     """Our model's weights in transformers' own `LlamaForCausalLM`, with its default attention
     (SDPA), in the model's dtype: the model people run under the Trainer."""
@@ -85,7 +105,6 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
-    from data import TokenDataset
     from models import flops_per_token, pick_attention_kernel, set_attention_kernel
     from training.runtime.flops import model_shapes, run_ceiling
     from training.settings import flags
@@ -93,15 +112,6 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
     s = flags.parse(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer does
-    windows = TokenDataset(s.data.path, "train", s.data.seq_len)
-
-    class Windows(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(windows)
-
-        def __getitem__(self, i):
-            w = torch.from_numpy(windows[i])
-            return {"input_ids": w[:-1], "labels": w[:-1]}  # the model shifts the labels
 
     times: list[float] = []
 
@@ -119,7 +129,8 @@ def run(argv: list[str], warmup_steps: int, stock: bool = False) -> None:
         model = as_transformers_llama(model)
     else:
         set_attention_kernel(model, pick_attention_kernel(s.model.attention, "cpu", s.data.seq_len))
-    trainer = Trainer(model=model, args=args, train_dataset=Windows(), callbacks=[StepTimes()])
+    data = train_windows(s.data.path, s.data.seq_len)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[StepTimes()])
     # The ceiling as the trainer measures its own (after the process group exists).
     shapes = model_shapes(model.config, s.optim.micro_batch * s.data.seq_len)
     ceiling = run_ceiling(torch.device("cpu"), dtype, shapes).per_rank

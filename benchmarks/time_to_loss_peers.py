@@ -173,22 +173,13 @@ def hf_trainer(s) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
-    from data import TokenDataset
+    from benchmarks.peer_hf import train_windows
     from models import pick_attention_kernel, set_attention_kernel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as the trainer does
     log = Metrics(s.out, rank)
-    windows = TokenDataset(s.data.path, "train", s.data.seq_len)
-
-    class Windows(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(windows)
-
-        def __getitem__(self, i):
-            w = torch.from_numpy(windows[i])
-            return {"input_ids": w[:-1], "labels": w[:-1]}  # the model shifts the labels
 
     dtype = torch.bfloat16 if s.engine.precision == "bf16" else torch.float32
 
@@ -205,7 +196,8 @@ def hf_trainer(s) -> None:
     args = hf_arguments(s)
     model = AutoModelForCausalLM.from_pretrained(s.model.name, dtype=dtype)
     set_attention_kernel(model, pick_attention_kernel(s.model.attention, "cpu", s.data.seq_len))
-    Trainer(model=model, args=args, train_dataset=Windows(), callbacks=[Evaluate()]).train()
+    data = train_windows(s.data.path, s.data.seq_len)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[Evaluate()]).train()
 
 
 if __name__ == "__main__":
