@@ -146,7 +146,6 @@ def _adapters(run: Path) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
 
 
-@pytest.mark.slow
 def test_a_checkpoint_holds_the_spec_as_fields_and_old_ones_read_back():
     spec = LoraSpec(r=8, alpha=16.0, dropout=0.0, targets=("q_proj", "v_proj"))
     assert stored_lora(json.loads(json.dumps(spec.as_record()))) == spec
@@ -157,6 +156,7 @@ def test_a_checkpoint_holds_the_spec_as_fields_and_old_ones_read_back():
             stored_lora(bad)
 
 
+@pytest.mark.slow
 def test_zero3_trains_only_the_adapters_and_resumes_exactly(zero3_runs):
     ref = read_metrics(zero3_runs["ref"])
     assert ref[-1]["loss"] < ref[0]["loss"]
