@@ -50,6 +50,11 @@ def gather_blocks_whole(model) -> bool:
 MUON = "deepspeed.runtime.zero.muon"
 
 
+def asks_for_muon(ds_config: dict) -> bool:
+    """Whether the resolved config's optimizer is DeepSpeed's Muon (--optimizer muon)."""
+    return str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
+
+
 def stand_in_for_muon(ds_config: dict) -> bool:
     """In a run whose optimizer is not DeepSpeed's Muon: put stand-ins where DeepSpeed's Muon
     modules go. DeepSpeed asks "is the optimizer Muon?" in deepspeed.initialize, in its bf16
@@ -59,7 +64,7 @@ def stand_in_for_muon(ds_config: dict) -> bool:
     question gets stock's answer for every other optimizer, and its Muon update is never
     reached. Returns whether it stands in (not where Muon is the optimizer, already imported,
     or the patch is off)."""
-    wanted = str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
+    wanted = asks_for_muon(ds_config)
     names = (f"{MUON}.muon_optimizer", f"{MUON}.original_muon")
     if wanted or any(n in sys.modules for n in names) or not patches.verified("muon_stand_in"):
         return False
@@ -92,7 +97,7 @@ def keep_muon_split(ds_config: dict) -> bool:
     lm_head), which gives an untied output head (`output.weight`, a Llama folder's) to Muon
     where torch.optim.Muon's split under DDP and FSDP2 leaves it to AdamW. Returns whether it
     applied."""
-    wanted = str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
+    wanted = asks_for_muon(ds_config)
     own = deepspeed.set_optimizer_flags
     if not wanted or getattr(own, "keeps_muon_split", False):
         return False
@@ -114,7 +119,7 @@ def eager_muon_on_cpu(ds_config: dict, device_type: str) -> bool:
     torch.optim.Muon runs under DDP and FSDP2. Compiled, inductor builds them once per matrix
     shape in the first steps: about 3 minutes of an 8-step tiny run on 2 cores, against 28 s
     eagerly. On an accelerator they stay compiled. Returns whether it applied."""
-    wanted = str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon"
+    wanted = asks_for_muon(ds_config)
     if not wanted or device_type != "cpu" or not patches.verified("muon_eager_on_cpu"):
         return False
     import importlib
