@@ -16,11 +16,13 @@ import contextlib
 import glob
 import os
 import pickle
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.config import ZeroStackConfig, ZeroStackMoeConfig
@@ -63,11 +65,7 @@ def build_model(
     overrides = dict(overrides or {})
     dtype = dtype or torch.float32
     if spec in PRESETS:
-        if vocab_size is not None:
-            overrides["vocab_size"] = vocab_size
-        # Drawn before construction, which consumes the RNG differently under ZeRO-3.
-        base_seed = int(torch.randint(0, 2**62, (1,)).item())
-        config = get_config(spec, **overrides)
+        config, base_seed = _preset_config(spec, vocab_size, overrides)
         model = model_class(config)._from_config(config, dtype=dtype)
         seeded_init(model, base_seed, partitioned)
     elif os.path.isdir(spec) or is_hub_name(spec):
@@ -83,6 +81,52 @@ def build_model(
     return model
 
 
+def build_on_meta(
+    spec: str | os.PathLike, *, vocab_size: int | None = None, overrides: dict | None = None
+) -> tuple[PreTrainedModel, Callable[[nn.Module], None]] | None:
+    """The model build_model would give, built on the meta device (no memory, no values), and
+    the function that gives it those values once its parameters are real: whole tensors, or
+    DTensor shards (each rank then keeps only its own part of each value, computed or read one
+    parameter at a time). An engine that shards a model after construction (FSDP2) builds it so:
+    no rank ever holds the whole model. Bit for bit the values of build_model.
+
+    For presets and Llama folders with safetensors weights; None for any other spec (whose
+    construction runs code of transformers' that sets values as it builds)."""
+    spec = os.fspath(spec)
+    if spec in PRESETS:
+        config, base_seed = _preset_config(spec, vocab_size, dict(overrides or {}))
+        with torch.device("meta"):
+            model = model_class(config)._from_config(config, dtype=torch.float32)
+        stds = init_stds(model)
+        return model, lambda m: seeded_init(m, base_seed, stds=stds)
+    if not os.path.isdir(spec) or not glob.glob(os.path.join(spec, "*.safetensors")):
+        return None
+    config = _folder_config(spec, dict(overrides or {}))
+    if config.model_type != "llama" or (vocab_size or 0) > config.vocab_size:
+        return None  # a resized vocabulary's new rows are drawn from the old ones' statistics
+    with torch.device("meta"):
+        model = ZeroStackForCausalLM._from_config(from_llama_config(config), dtype=torch.float32)
+    return model, lambda m: _load_llama_weights(m, spec, None)
+
+
+def _preset_config(spec: str, vocab_size: int | None, overrides: dict):
+    """A preset's config, and the seed its weights are drawn from (from the caller's torch seed,
+    drawn before construction, which consumes the RNG differently under ZeRO-3)."""
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    base_seed = int(torch.randint(0, 2**62, (1,)).item())
+    return get_config(spec, **overrides), base_seed
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    """param <- value, a whole tensor; a parameter sharded as a DTensor takes its own shard."""
+    if isinstance(param, DTensor):
+        value = distribute_tensor(  # every rank holds the same value: no communication
+            value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        )
+    param.copy_(value)
+
+
 def model_class(config: ZeroStackConfig) -> type[ZeroStackForCausalLM]:
     """Our model class for our config: the MoE model for an MoE config, else the dense one."""
     if isinstance(config, ZeroStackMoeConfig):
@@ -91,44 +135,52 @@ def model_class(config: ZeroStackConfig) -> type[ZeroStackForCausalLM]:
 
 
 def seeded_init(
-    model: ZeroStackForCausalLM, base_seed: int, partitioned: Partitioned | None = None
+    model: ZeroStackForCausalLM,
+    base_seed: int,
+    partitioned: Partitioned | None = None,
+    stds: dict[str, float] | None = None,
 ) -> None:
     """Re-draw every weight from a generator of its own, seeded from the caller's torch seed and
     the module's position, so a preset starts from the same weights however it is built: whole,
-    or partitioned under ZeRO-3 (where construction consumes the global RNG differently). That is
-    what lets ZeRO 0-3, DDP and FSDP runs start identically from one seed."""
-    std = model.config.initializer_range
+    partitioned under ZeRO-3 (where construction consumes the global RNG differently) or sharded
+    by FSDP2 after a build on the meta device. That is what lets ZeRO 0-3, DDP and FSDP runs
+    start identically from one seed. `stds`: init_stds of the model as built (sharding replaces
+    parameters, and with them what they carried)."""
+    stds = stds or init_stds(model)
     seen: set[int] = set()
-    for i, module in enumerate(model.modules()):
-        params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-        if not params:
+    for i, (prefix, module) in enumerate(model.named_modules()):
+        named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        if not named:
             continue
-        seen.update(id(p) for p in params)
+        seen.update(id(p) for _, p in named)
         gen = torch.Generator().manual_seed(base_seed + i)
+        params = [p for _, p in named]
         gather = partitioned.gathered(params) if partitioned else contextlib.nullcontext()
         with gather, torch.no_grad():
-            for p in params:
+            for name, p in named:
                 if p.dim() == 1:  # norm scales
-                    p.fill_(1.0)
-                else:  # linear and embedding matrices, stacked experts; residual projections
-                    # carry a smaller std (on the module, or on the parameter for experts)
+                    p.fill_(1.0)  # elementwise: a DTensor shard fills its own part
+                else:  # linear and embedding matrices, stacked experts
                     w = torch.empty(p.shape, dtype=torch.float32)
-                    p_std = getattr(p, "init_std", getattr(module, "init_std", std))
-                    w.normal_(0.0, p_std, generator=gen)
-                    p.copy_(w)
+                    w.normal_(0.0, stds[f"{prefix}.{name}" if prefix else name], generator=gen)
+                    _assign(p, w)
+
+
+def init_stds(model: nn.Module) -> dict[str, float]:
+    """Each parameter's initial std, by name: residual projections carry a smaller one, on the
+    module or (stacked experts) on the parameter; the config's initializer_range otherwise."""
+    std = model.config.initializer_range
+    return {
+        f"{prefix}.{name}" if prefix else name: getattr(p, "init_std", getattr(m, "init_std", std))
+        for prefix, m in model.named_modules()
+        for name, p in m.named_parameters(recurse=False)
+    }
 
 
 def _from_folder(
     path: str, overrides: dict, dtype: torch.dtype, partitioned: Partitioned | None
 ) -> PreTrainedModel:
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ModelError(f"folder {path} holds no model: it has no config.json")
-    try:
-        config = AutoConfig.from_pretrained(path, **overrides)
-    except (ValueError, KeyError, OSError) as e:
-        raise ModelError(
-            f"folder {path} holds no model transformers knows: {str(e).splitlines()[0]}"
-        ) from None
+    config = _folder_config(path, overrides)
     has_weights = any(glob.glob(os.path.join(path, p)) for p in _WEIGHT_PATTERNS)
 
     if config.model_type == "llama":
@@ -146,6 +198,17 @@ def _from_folder(
         raise ModelError(f"folder {path} holds no causal LM: {str(e).splitlines()[0]}") from None
     # an HF mixture of experts trains on its load-balancing loss, its config left as stock
     return train_router_losses(model)
+
+
+def _folder_config(path: str, overrides: dict):
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelError(f"folder {path} holds no model: it has no config.json")
+    try:
+        return AutoConfig.from_pretrained(path, **overrides)
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelError(
+            f"folder {path} holds no model transformers knows: {str(e).splitlines()[0]}"
+        ) from None
 
 
 def _load_pickled(f: str) -> dict:
@@ -198,4 +261,4 @@ def _load_llama_weights(model: nn.Module, path: str, partitioned: Partitioned | 
                     param.copy_(read(name))
         else:
             with torch.no_grad():
-                param.copy_(read(name))
+                _assign(param, read(name))

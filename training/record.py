@@ -140,10 +140,13 @@ def write_record(run_dir: Path, record: dict, manifest) -> None:
     shutil.copytree(manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
 
 
-def describe_ranks(dist, loader: BatchLoader, coordinates: dict[str, int]) -> list[dict]:
-    """All ranks call: where each rank runs, its place in the layout, and what it reads first
-    (from a fresh loader of the same data-parallel replica at the same position: the real one
-    is untouched)."""
+def describe_ranks(
+    dist, loader: BatchLoader, coordinates: dict[str, int], built: dict | None = None
+) -> list[dict]:
+    """All ranks call: where each rank runs, its place in the layout, what building its model
+    took (`built`: seconds, and the peak host memory by then) and what it reads first (from a
+    fresh loader of the same data-parallel replica at the same position: the real one is
+    untouched)."""
     fresh = BatchLoader(
         loader.dataset,
         loader.micro_batch,
@@ -153,7 +156,7 @@ def describe_ranks(dist, loader: BatchLoader, coordinates: dict[str, int]) -> li
         loader.consumed_samples,
     )
     first = fresh.next_batch()[0]
-    return cluster.describe_ranks(dist.rank, dist.local_rank, first, coordinates)
+    return cluster.describe_ranks(dist.rank, dist.local_rank, first, coordinates, built)
 
 
 def trainer_facts(record: dict) -> dict:

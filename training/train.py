@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ from training.loop.loop import LiveCeiling
 from training.loop.profile import StepProfiler, parse_span
 from training.loop.restore import restore
 from training.loop.rollback import Rollback
+from training.memory.peak import host_peak_bytes
 from training.preflight import Prepared, prepare_run
 from training.record import (
     banner,
@@ -112,7 +114,7 @@ def train(config: RunConfig, prepared: Prepared) -> int:
         facts=facts,
         engine=engine,
         dist=dist,
-        ranks=describe_ranks(dist, loader, engine.coordinates()),
+        ranks=describe_ranks(dist, loader, engine.coordinates(), facts["built"]),
         shm=started.shm,
         accelerate_state=started.accelerate,
         resume=resume,
@@ -207,7 +209,7 @@ def open_logger(
 def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engine, dict]:
     """The model, built as its engine will hold it, wrapped in that engine. Returns the engine
     and what the record keeps of the model (parameter count, FLOPs per token, config)."""
-    dist = started.dist
+    dist, began = started.dist, time.perf_counter()
     model = build_for_engine(
         config.model.name,
         vocab_size=prepared.manifest.vocab_size,
@@ -265,6 +267,9 @@ def build(config: RunConfig, prepared: Prepared, started: Started) -> tuple[Engi
         grad_sum=prepared.switches.grad_sum,
     )
     del model  # the pipeline engine keeps only its stage's layers: free the rest
+    # FSDP2 and ZeRO-3 never hold the whole model on a rank: this says how much each one did
+    facts["built"] = {"seconds": round(time.perf_counter() - began, 2),
+                      "peak_host_bytes": host_peak_bytes()}  # fmt: skip
     imported = config.model.name not in PRESETS and config.model.lora is None  # LoRA: no masters
     if started.resume is None and config.engine.precision != "fp32" and imported:
         # Continued pretraining starts from the folder's exact weights, not their 16-bit copy.

@@ -1,7 +1,9 @@
 """Building the model the way its engine will hold it. The model package knows no engine: for
 DeepSpeed ZeRO-3 the model is built inside DeepSpeed's construction context, so each rank only
 ever holds its partition, and `build_model` is handed how to see a partitioned parameter whole
-while its initial value is set. Every other engine gets the model built plainly."""
+while its initial value is set. FSDP2 shards a model after it is built: the model is built on
+the meta device and its values are set after sharding, each rank computing or reading one
+parameter at a time and keeping its shard. Every other engine gets the model built plainly."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import deepspeed
 from transformers.integrations import HfDeepSpeedConfig
 
 from models import build_model
+from models.factory import build_on_meta
 from training.memory.heap import freed_blocks_returned
 from training.settings.ds_config import zero_stage
 
@@ -36,8 +39,16 @@ def build_for_engine(
     keep_freed: bool = True,
 ):
     """The model named by spec (a preset or a folder), built for `backend` with `ds_config`:
-    partitioned from the start under DeepSpeed ZeRO-3, whole otherwise. `keep_freed`: the
-    heap's setting for the training steps after a ZeRO-3 build (memory/heap.py)."""
+    partitioned from the start under DeepSpeed ZeRO-3; for FSDP2, on the meta device with the
+    function that sets its values once sharded (`deferred_init`, which the engine calls on each
+    rank's shards); whole otherwise. `keep_freed`: the heap's setting for the training steps
+    after a ZeRO-3 build (memory/heap.py)."""
+    if backend == "fsdp":
+        on_meta = build_on_meta(spec, vocab_size=vocab_size, overrides=overrides)
+        if on_meta is not None:
+            model, init = on_meta
+            model.deferred_init = init
+            return model
     if backend != "deepspeed" or zero_stage(ds_config) != 3:
         return build_model(spec, vocab_size=vocab_size, overrides=overrides)
     partitioned = ZeRO3Partitioned(ds_config)

@@ -84,6 +84,10 @@ class FSDPEngine(NativeEngine):
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kwargs)
         # The root's weights (embeddings, head) are needed first thing in backward anyway.
         fully_shard(model, reshard_after_forward=False, **kwargs)
+        deferred = model.__dict__.pop("deferred_init", None)
+        if deferred is not None:  # built on the meta device: only this rank's shards are made
+            model.to_empty(device="cpu" if self.cpu_offload else self.device)
+            deferred(model)
         comms = fsdp_comms()  # on one CPU host: DeepSpeed's shared-memory kernel, not gloo
         if comms is not None:
             for module in (*self.blocks, model):

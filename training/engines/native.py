@@ -41,7 +41,9 @@ class NativeEngine(Engine):
         self.grad_accum = grad_accum  # divides the loss, as DeepSpeed's engine.backward does
         self.grad_clip = grad_clip  # 0: no clipping
         muon = muon_split(model)[0]  # by the block classes, which FSDP2's wrapping renames
-        self.model = self._wrap(model.to(device))
+        # a model built on the meta device is given its values by `_wrap` (FSDP2, construct.py)
+        on_meta = any(p.is_meta for p in model.parameters())
+        self.model = self._wrap(model if on_meta else model.to(device))
         self.optimizer = native_optimizer(self.module, optimizer, muon, device_type=device.type)
         self.optimizer_config = optimizer
         # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range and do not.

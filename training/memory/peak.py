@@ -12,5 +12,10 @@ from training.runtime.distributed import accelerator
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: max allocated on an accelerator, peak RSS on CPU."""
     if device.type == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return host_peak_bytes()
     return int(accelerator().max_memory_allocated(device.index))
+
+
+def host_peak_bytes() -> int:
+    """The highest resident set this process has had (the kernel's count, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

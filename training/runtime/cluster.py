@@ -81,11 +81,14 @@ def local_address() -> str | None:
         return None
 
 
-def describe_ranks(rank: int, local_rank: int, first_batch, coordinates: dict) -> list[dict]:
+def describe_ranks(
+    rank: int, local_rank: int, first_batch, coordinates: dict, built: dict | None = None
+) -> list[dict]:
     """All ranks call; every rank gets the list, by rank: host name, address towards the master,
     local rank, pid, and the first training batch it will read (a hash of its tokens and their
-    sum), and `coordinates` (which data-parallel replica, tensor/sequence-parallel rank or
-    pipeline stage it is). Ranks that share a batch hash are reading the same data."""
+    sum), `coordinates` (which data-parallel replica, tensor/sequence-parallel rank or pipeline
+    stage it is) and `built` (what building its model took). Ranks that share a batch hash are
+    reading the same data."""
     x = first_batch.contiguous()
     mine = {
         "rank": rank,
@@ -94,6 +97,7 @@ def describe_ranks(rank: int, local_rank: int, first_batch, coordinates: dict) -
         "addr": local_address(),
         "pid": os.getpid(),
         **coordinates,
+        "built": built,
         "first_batch_sha1": hashlib.sha1(x.numpy().tobytes()).hexdigest()[:16],
         "first_batch_token_sum": int(x.sum()),
     }
