@@ -87,8 +87,9 @@ def build_on_meta(
     """The model build_model would give, built on the meta device (no memory, no values), and
     the function that gives it those values once its parameters are real: whole tensors, or
     DTensor shards (each rank then keeps only its own part of each value, computed or read one
-    parameter at a time). An engine that shards a model after construction (FSDP2) builds it so:
-    no rank ever holds the whole model. Bit for bit the values of build_model.
+    parameter at a time); parameters left on the meta device are skipped. An engine that shards
+    a model after construction (FSDP2), or keeps only some of its layers (the pipeline), builds
+    it so: no rank ever holds the whole model. Bit for bit the values of build_model.
 
     For presets and Llama folders with safetensors weights; None for any other spec (whose
     construction runs code of transformers' that sets values as it builds)."""
@@ -150,7 +151,7 @@ def seeded_init(
     seen: set[int] = set()
     for i, (prefix, module) in enumerate(model.named_modules()):
         named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-        if not named:
+        if not named or all(p.is_meta for _, p in named):  # left on meta: not this rank's
             continue
         seen.update(id(p) for _, p in named)
         gen = torch.Generator().manual_seed(base_seed + i)
@@ -255,6 +256,8 @@ def _load_llama_weights(model: nn.Module, path: str, partitioned: Partitioned | 
         )
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     for name, param in model.named_parameters():
+        if param.is_meta:  # left on the meta device: not this rank's to hold
+            continue
         if partitioned is not None:  # gather, fill on rank 0, re-partition from rank 0
             with partitioned.gathered([param]), torch.no_grad():
                 if rank == 0:

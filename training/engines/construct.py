@@ -3,7 +3,8 @@ DeepSpeed ZeRO-3 the model is built inside DeepSpeed's construction context, so 
 ever holds its partition, and `build_model` is handed how to see a partitioned parameter whole
 while its initial value is set. FSDP2 shards a model after it is built: the model is built on
 the meta device and its values are set after sharding, each rank computing or reading one
-parameter at a time and keeping its shard. Every other engine gets the model built plainly."""
+parameter at a time and keeping its shard; the pipeline engine makes real only its stage's
+layers of such a model. Every other engine gets the model built plainly."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from models import build_model
 from models.factory import build_on_meta
 from training.memory.heap import freed_blocks_returned
-from training.settings.ds_config import zero_stage
+from training.settings.ds_config import pipeline_stages, zero_stage
 
 
 class ZeRO3Partitioned:
@@ -39,11 +40,11 @@ def build_for_engine(
     keep_freed: bool = True,
 ):
     """The model named by spec (a preset or a folder), built for `backend` with `ds_config`:
-    partitioned from the start under DeepSpeed ZeRO-3; for FSDP2, on the meta device with the
-    function that sets its values once sharded (`deferred_init`, which the engine calls on each
-    rank's shards); whole otherwise. `keep_freed`: the heap's setting for the training steps
+    partitioned from the start under DeepSpeed ZeRO-3; for FSDP2 and the pipeline engine, on the
+    meta device with the function that sets its values (`deferred_init`, which the engine calls
+    once it has made real what the rank keeps: its shards, its stage's layers); whole otherwise. `keep_freed`: the heap's setting for the training steps
     after a ZeRO-3 build (memory/heap.py)."""
-    if backend == "fsdp":
+    if backend == "fsdp" or (backend == "deepspeed" and pipeline_stages(ds_config) > 1):
         on_meta = build_on_meta(spec, vocab_size=vocab_size, overrides=overrides)
         if on_meta is not None:
             model, init = on_meta

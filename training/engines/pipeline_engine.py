@@ -87,6 +87,21 @@ def build_pipeline_module(
     return module
 
 
+def stage_values(model, names) -> dict[str, torch.Tensor]:
+    """The initial values of the pipeline parameters `names` (one stage's), from the model the
+    pipeline layers come from. A model on the meta device gets values for the modules that own
+    them alone (its `deferred_init` skips modules left on meta), so a rank never holds more
+    than its stage."""
+    where = model_state_dict_to_pipeline({n: n for n in model.state_dict()}, model.config)
+    deferred = model.__dict__.pop("deferred_init", None)
+    if deferred is not None:
+        for name in {where[n] for n in names}:
+            model.get_submodule(name.rpartition(".")[0]).to_empty(device="cpu", recurse=False)
+        deferred(model)
+    values = model.state_dict()
+    return {n: values[where[n]] for n in names}
+
+
 class PipelineEngine(DeepSpeedEngine):
     name = "pipeline"
 
@@ -99,9 +114,10 @@ class PipelineEngine(DeepSpeedEngine):
         device: torch.device,
         attention: str,
     ):
-        """model: the whole ZeroStackForCausalLM, built from the seed (or a folder) on every rank.
-        Each rank keeps only its stage's layers, with exactly the whole model's initial weights
-        (under tensor parallelism, its slices of them)."""
+        """model: the ZeroStackForCausalLM, built on the meta device with its `deferred_init`
+        (training/engines/construct.py) or whole. Each rank makes only its stage's layers, with
+        exactly the whole model's initial weights (under tensor parallelism, its slices of
+        them)."""
         pipe_cfg = ds_config.get("pipeline", {})
         tensor = parallel.tensor_size(ds_config)
         pipe = build_pipeline_module(
@@ -111,8 +127,7 @@ class PipelineEngine(DeepSpeedEngine):
             activation_checkpoint_interval=int(pipe_cfg.get("activation_checkpoint_interval", 0)),
             tensor=tensor,
         )
-        full = model_state_dict_to_pipeline(model.state_dict(), model.config)
-        pipe.load_state_dict({name: full[name] for name in pipe.state_dict()})
+        pipe.load_state_dict(stage_values(model, pipe.state_dict()))
         if tensor > 1:
             split_stage(pipe, pipe.mpu().get_slice_parallel_group(), model.config)
         set_attention_kernel(pipe, attention)
