@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 tests/scripts/plan_vs_measured.py DATA_DIR MODEL OUT.json CONFIG...
 
 CONFIG is a ds_configs name (zero0 ... zero3; ZeRO-3 ones last: transformers builds every later
-model partitioned while a ZeRO-3 one lives). For each, in one process group: the trainer's own
+model partitioned while a ZeRO-3 one lives), `+muon` after it for --optimizer muon. For each, in one process group: the trainer's own
 config rule, model factory and DeepSpeed engine, micro-batch 1 x 2 accumulation steps, and
 `engine.state_bytes()` (training/memory/state_bytes.py, the count the training loop logs and
 benchmarks/compare reports) after the first micro-batch of the second step, where the loop
@@ -30,9 +30,10 @@ from training.settings import ds_config, flags
 from training.settings.hparams import DEFAULTS as D
 
 
-def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
+def measure(config: str, data: str, model: str, dist) -> tuple[dict, dict]:
+    name, _, optimizer = config.partition("+")
     argv = ["--data", data, "--out", "-", "--model", model, "--micro-batch", "1"]
-    s = flags.parse([*argv, "--grad-accum", "2"])
+    s = flags.parse([*argv, "--grad-accum", "2", "--optimizer", optimizer or "adamw"])
     vocab = load_manifest(data).vocab_size
     shape = model_shape(model, vocab)
     raw = ds_config.load_json(ds_config.CONFIG_DIR / f"{name}.json")
@@ -46,7 +47,9 @@ def measure(name: str, data: str, model: str, dist) -> tuple[dict, dict]:
         s.engine,
         model=net,
         ds_config=ds_cfg,
-        optimizer=OptimizerConfig(D["lr"], (D["beta1"], D["beta2"]), D["eps"], D["weight_decay"]),
+        optimizer=OptimizerConfig(
+            D["lr"], (D["beta1"], D["beta2"]), D["eps"], D["weight_decay"], s.optim.muon_lr
+        ),
         device=dist.device,
         precision=ds_config.precision(ds_cfg),
     )

@@ -7,7 +7,8 @@ Model states per rank, P parameters on the rank (pipeline stages and tensor para
 fullest stage, its blocks' projections divided by tp; rank_share.py), N data-parallel ranks
 (world / (pp x tp)), w bytes per 16-bit (2) or fp32 (4)
 parameter, as DeepSpeed 0.19 allocates them with our engine (mixed precision keeps fp32 master
-weights and Adam's two moments: 12 bytes per parameter, in every precision; under expert
+weights and Adam's two moments: 12 bytes per parameter, in every precision; 8 for the blocks'
+matrices under Muon with ZeRO-1/2 in 16 bits, where it keeps one momentum; under expert
 parallelism, ep ranks to an expert group, a P not divided by N counts the experts' parameters
 once per ep ranks):
 
@@ -196,6 +197,10 @@ def model_state_placement(
     local_train = shape.on_rank(n_train, ep)
     grads = w * n_train / dp if stage >= 2 else w * local_train
     optimizer = 12 * n_train / dp if stage >= 1 else (12 if w == 2 else 8) * local_train
+    if ds_cfg.get("optimizer", {}).get("type") == "Muon" and stage in (1, 2) and w == 2:
+        # one momentum, not two moments; measured (tests/test_memory_plan.py): DeepSpeed's Muon
+        # keeps as much as AdamW under ZeRO-3 and in fp32
+        optimizer -= 4 * shape.matrices / dp
     buffers = bucket * w if stage in (1, 3) else 0
     if _bf16_optimizer(ds_cfg, stage, off_opt):
         grads, buffers = 4 * n_train, 0  # whole fp32 gradients, reduced in place: no bucket

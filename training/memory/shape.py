@@ -10,7 +10,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models import PRESETS, ModelError, ZeroStackConfig, get_config, lora, model_class
+from models import (
+    PRESETS,
+    ModelError,
+    ZeroStackConfig,
+    get_config,
+    lora,
+    model_class,
+    transformer_blocks,
+)
 from models.hub import is_hub_name, resolve_pretrained
 
 
@@ -33,6 +41,9 @@ class ModelShape:
     # a block's parameters that tensor parallelism keeps whole on every rank: its norms, and
     # QK-norm's per-head ones (None: the two norms of `hidden` weights)
     block_whole: int | None = None
+    # the blocks' 2-D weight matrices: what Muon updates (one momentum buffer where Adam keeps
+    # two moments; training/engines/optim.py muon_split)
+    matrices: int = 0
 
     @property
     def trained(self) -> int:
@@ -85,6 +96,8 @@ def shape_of_config(cfg, name: str) -> ModelShape:
     if first is not None:
         norms = [p for n, p in first.named_parameters() if "norm" in n or n.startswith("ln_")]
         whole = sum(numel(p) for p in norms)
+    inside = {id(p): p for b in transformer_blocks(model) for p in b.parameters()}
+    matrices = sum(numel(p) for p in inside.values() if len(getattr(p, "ds_shape", p.shape)) == 2)
     return ModelShape(
         name=name,
         params=sum(unique.values()),
@@ -96,6 +109,7 @@ def shape_of_config(cfg, name: str) -> ModelShape:
         experts=experts,
         tied=bool(getattr(cfg, "tie_word_embeddings", False)),
         block_whole=whole,
+        matrices=matrices,
     )
 
 
@@ -115,7 +129,7 @@ def shape_of_run(resolved: dict) -> ModelShape:
     """The ModelShape of a run, from its resolved_config.json (no model is built)."""
     c = resolved["model_config"]
     h, inter = c["hidden_size"], c.get("intermediate_size") or 4 * c["hidden_size"]
-    return ModelShape(
+    shape = ModelShape(
         name=str(resolved["flags"]["model"]),
         params=int(resolved["n_params"]),
         largest_layer=max(c["vocab_size"] * h, inter * h),
@@ -128,6 +142,9 @@ def shape_of_run(resolved: dict) -> ModelShape:
         tied=bool(c.get("tie_word_embeddings", False)),
         block_whole=2 * h + (2 * _head_dim(c) if c.get("qk_norm") else 0),
     )
+    embeddings = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings") else 2)
+    whole = shape.layers * shape.block_whole + h  # the blocks' norms and the final one
+    return replace(shape, matrices=shape.params - embeddings - whole)
 
 
 def _head_dim(c: dict) -> int:
