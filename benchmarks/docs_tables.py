@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.construction import section as construction
 from benchmarks.gpu_report import section as gpu_check
 from benchmarks.reliability_tables import (
     checkpoint_gpu,
@@ -127,6 +128,7 @@ SECTIONS = [
     Section("gpu_check", "docs/gpu.md", gpu_check),
     Section("scale", "docs/scale.md", _scale, *_scale_markers(), ignore=_code_age),
     Section("scale_disk", "docs/scale.md", disk_arithmetic),
+    Section("construction", "docs/scale.md", construction),
     Section(
         "settings",
         "docs/settings.md",

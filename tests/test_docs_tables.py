@@ -31,6 +31,10 @@ PLANTS = {
         "host_class/compile_cost.json",
         lambda d: d["runs"]["native--compile"].update(first_step_s=11.0),
     ),
+    "construction": (
+        "construction.json",
+        lambda d: next(iter(d["arms"].values()))["ranks"][0].update(peak=9 * 2**30),
+    ),
     "lora": ("lora.json", lambda d: d["rows"][0].update(model_states_mb=120.3)),
     "doc_mask_earlier": (
         "doc_mask_attention.json",
