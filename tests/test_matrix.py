@@ -17,7 +17,7 @@ from conftest import launch
 from benchmarks.host import host_class
 from benchmarks.matrix.cases import Matrix, case_id, pairwise
 from benchmarks.matrix.render import DOC, RESULTS, render
-from benchmarks.matrix.runner import Runner, merge
+from benchmarks.matrix.runner import Runner, merge, torchrun
 from benchmarks.provenance import today
 
 MATRIX = Matrix.load()
@@ -77,3 +77,16 @@ def test_each_case_of_the_cover_trains_to_its_reference_or_is_refused(runner, ca
     assert result["outcome"] in ("match", "refused"), result
     if result["outcome"] == "match":
         assert result["replicas"] is not None, "the run wrote no replica check"
+
+
+@pytest.mark.slow
+def test_a_refused_case_launched_by_torchrun_is_judged_refused(
+    tiny_data, chat_data, pairs, tmp_path
+):
+    """`python -m benchmarks.matrix` launches under torchrun, which prints a traceback of its
+    own (ChildFailedError) whenever a rank fails: a refusal is still a refusal, not a bug."""
+    case = next(c for c in COVER if MATRIX.refusals(c) and c["resume"] == "none")
+    run = Runner(MATRIX, tmp_path, launch=torchrun)
+    run.inputs.made.update({"text": tiny_data, "chat": chat_data, "pairs": pairs["data"]})
+    result = run.run(case)
+    assert result["outcome"] == "refused", result

@@ -172,7 +172,7 @@ def _judge_refusal(done: subprocess.CompletedProcess, rules) -> dict:
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")]
     codes = set(rank_exit_codes(done))
     # every rank refuses with 2; a launcher may have stopped a slower one first (SIGTERM)
-    if len(errors) != 1 or "Traceback" in done.stderr or 2 not in codes or codes - {2, -15}:
+    if len(errors) != 1 or rank_tracebacks(done.stderr) or 2 not in codes or codes - {2, -15}:
         return {"outcome": "bug", "why": f"failed (ranks exited {sorted(codes)}): {line}"}
     if not rules:
         return {"outcome": "bug", "refusal": line, "why": "refused, but no rule expects it"}
@@ -180,6 +180,13 @@ def _judge_refusal(done: subprocess.CompletedProcess, rules) -> dict:
         said = " or ".join(repr(r.says) for r in rules)
         return {"outcome": "bug", "refusal": line, "why": f"refused, but not with {said}"}
     return {"outcome": "refused", "refusal": line}
+
+
+def rank_tracebacks(stderr: str) -> list[str]:
+    """The tracebacks a failed launch's ranks printed: torchrun's own, which it prints whenever
+    a rank fails (ChildFailedError, with its failure summary), is not one of them."""
+    blocks = stderr.split("Traceback (most recent call last):")[1:]
+    return [b for b in blocks if "ChildFailedError" not in b]
 
 
 def rank_exit_codes(run: subprocess.CompletedProcess | str) -> list[int]:
