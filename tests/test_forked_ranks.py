@@ -27,6 +27,7 @@ def _same_record(a: Path, b: Path) -> None:
             r.pop(key, None)
         for rank in r["ranks"]:
             rank.pop("pid")
+            rank.pop("built")  # seconds and bytes: measured
         r["why"] = {k: v for k, v in r["why"].items() if not v.startswith("measured")}
         text = json.dumps(r).replace(str(run), "RUN")
         r.clear()

@@ -48,6 +48,7 @@ def check_two_rank_run(out: Path, launched_by: str) -> None:
     ranks = record["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
     assert ranks[0]["first_batch_sha1"] != ranks[1]["first_batch_sha1"]  # each its own share
+    assert all(r["built"]["peak_host_bytes"] > 2**20 for r in ranks), ranks  # construction
     steps = [r["step"] for r in read_metrics(out)]
     assert steps == [1, 2, 3], steps
 

@@ -212,6 +212,10 @@ def banner(record: dict, batch: tuple[int, int, int, int]) -> str:
     elif max(record["parallel"]["tensor"], record["parallel"]["sequence"]) > 1:
         sizes = {k: v for k, v in record["parallel"].items() if k != "data"}
         line += " | " + parallel.Layout(**sizes).describe()
+    built = [r["built"] for r in record["ranks"] if r.get("built")]
+    if built:  # what building the model took its slowest rank, and its fullest one's memory
+        peak = max(b["peak_host_bytes"] for b in built) / 2**30
+        line += f" | built in {max(b['seconds'] for b in built):.1f} s, host peak {peak:.2f} GiB"
     return line
 
 
