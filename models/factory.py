@@ -249,7 +249,9 @@ def _load_llama_weights(model: nn.Module, path: str, partitioned: Partitioned | 
         def read(name):
             return where[name]
 
-    missing = [n for n, _ in model.named_parameters() if n not in where]
+    # a parameter left on the meta device is not this rank's (a tied head, cut off from the
+    # embedding it shares its weight with, among them)
+    missing = [n for n, p in model.named_parameters() if n not in where and not p.is_meta]
     if missing:
         raise ModelError(
             f"folder {path} lacks weights for {len(missing)} parameters, e.g. {missing[0]}"
