@@ -42,8 +42,9 @@ def build_for_engine(
     """The model named by spec (a preset or a folder), built for `backend` with `ds_config`:
     partitioned from the start under DeepSpeed ZeRO-3; for FSDP2 and the pipeline engine, on the
     meta device with the function that sets its values (`deferred_init`, which the engine calls
-    once it has made real what the rank keeps: its shards, its stage's layers); whole otherwise. `keep_freed`: the heap's setting for the training steps
-    after a ZeRO-3 build (memory/heap.py)."""
+    once it has made real what the rank keeps: its shards, its stage's layers); whole
+    otherwise. `keep_freed`: the heap's setting for the training steps after a ZeRO-3 build
+    (memory/heap.py)."""
     if backend == "fsdp" or (backend == "deepspeed" and pipeline_stages(ds_config) > 1):
         on_meta = build_on_meta(spec, vocab_size=vocab_size, overrides=overrides)
         if on_meta is not None:

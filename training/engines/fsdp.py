@@ -1,9 +1,9 @@
 """Native PyTorch FSDP2 (`fully_shard`): each block is sharded on its own, then the root (the
-embeddings, final norm and head), so only one block's full weights exist at a time. A model built
-on the meta device (construct.py: presets and Llama folders) is sharded first and only then made
-real: each rank allocates its shards and sets their values one parameter at a time, so no rank
-ever holds the whole model. Parameters,
-gradients and optimizer states stay sharded in fp32; the forward runs on bf16 (or fp16) copies
+embeddings, final norm and head), so only one block's full weights exist at a time. A model
+built on the meta device (construct.py: presets and Llama folders) is sharded first and only
+then made real: each rank allocates its shards and sets their values one parameter at a time,
+so no rank ever holds the whole model. Parameters, gradients and optimizer states stay sharded
+in fp32; the forward runs on bf16 (or fp16) copies
 and gradients are reduced in fp32 (`MixedPrecisionPolicy`). Gradients are reduce-scattered after
 every micro-step, as ZeRO-2/3 do, so only shards ever accumulate: skipping the sync would hold
 whole unsharded gradients between micro-steps, which is the memory FSDP exists to save.
