@@ -180,9 +180,10 @@ def interleaved(arms: list[str], rounds: int) -> list[tuple[int, str]]:
     return [(r, arm) for r in range(1, rounds + 1) for arm in arms]
 
 
-def run_rounds(a, arms: list[str], init: str, run=run_arm) -> list[dict]:
+def run_rounds(a, arms: list[str], init: str, run=run_arm, after=None) -> list[dict]:
     """Every arm once a round, the rounds one after another; an arm not available is asked
-    once."""
+    once. `after(rows)` is called after each run (the raw file is rewritten then, so a job cut
+    short keeps every run it finished)."""
     rows: list[dict] = []
     for rnd, arm in interleaved(arms, a.rounds):
         if any(r["arm"] == arm and "not_available" in r for r in rows):
@@ -191,6 +192,8 @@ def run_rounds(a, arms: list[str], init: str, run=run_arm) -> list[dict]:
         row = run(arm, rnd, a, init)
         print(f"  {_said(row)}", flush=True)
         rows.append(row)
+        if after:
+            after(rows)
     return rows
 
 
@@ -301,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
 
     init = initial_weights(a)  # one set of initial weights, loaded by every arm
     host_info = host()
-    rows = run_rounds(a, arms, init)
     path = Path(a.results or REPO / "benchmarks" / "results" / RAW)
+    rows = run_rounds(a, arms, init, after=lambda rows: save(rows, a, arms, path, host_info))
     doc = save(rows, a, arms, path, host_info)
     print(f"raw rounds: {path}")
     print(render(doc))
