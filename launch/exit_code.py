@@ -4,7 +4,7 @@
 
 A launcher (deepspeed, torchrun) exits with its own code: after a lost rank that is the dead
 rank's (-9 -> 247), and torchrun says 1 for any failed rank. The rank that decides how a run
-ended writes it (training/guard.py): into RUN/exit.json once it holds the run folder, and into
+ended writes it (training/run_exit.py): into RUN/exit.json once it holds the run folder, and into
 RECORD_FILE (ZEROSTACK_EXIT_RECORD, named by the script) always. A record counts only when it
 carries this launch's ZEROSTACK_LAUNCH_ID. Prints the code to exit with, and says on stderr
 why when it is not the launcher's own. Standard library only: it runs in the launch shell."""

@@ -10,6 +10,7 @@ longest prefix that is one of our modules, and a package is its `__init__.py`.""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Container, Iterable
 from pathlib import Path
 
@@ -168,7 +169,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training.checkpoints",),
     ("training.loop",),
     ("training.evaluation",),  # lm-evaluation-harness on exports: above checkpoints/
-    # the entry points: train.py, startup.py, guard.py, the command shims, ...; and preflight,
+    # the entry points: train.py, startup.py, run_exit.py, the command shims, ...; and preflight,
     # a module or a package training/preflight/ with submodules
     ("training.* training.preflight",),
     ("launch",),  # the launchers' helpers (the doctor): any layer
@@ -546,3 +547,79 @@ def test_module_names_are_unique_across_the_tree():
     assert duplicate_names([Path("a/resume.py"), Path("b/resume.py")]) == {
         "resume.py": ["a/resume.py", "b/resume.py"]
     }
+
+
+# ------------------------------------------------------------------ the diagram in the docs
+DIAGRAM_FOLDERS = {"entry points": "training", "benchmarks/": "benchmarks", "launch/": "launch"}
+DIAGRAM_PARTIAL = {"benchmarks"}  # drawn with "...": only what it names must exist
+
+
+def diagram_listing(text: str) -> dict[str, list[str]]:
+    """{folder from the repo root: the names drawn on its line(s)} from the layer diagram of
+    docs/architecture.md. A line that starts in the first column opens a folder (training's
+    layers are named relative to training/); an indented line goes on with the open one, and
+    `preflight/` inside the entry points opens training/preflight."""
+    block = text.split("## The layers", 1)[1].split("```")[1]
+    listing: dict[str, list[str]] = {}
+    folder = None
+    for line in block.splitlines():
+        if not line.strip() or line.lstrip().startswith("- -") or line.strip() == "beside":
+            continue
+        names = line.split()
+        if not line.startswith(" "):
+            head = "entry points" if line.startswith("entry points") else names[0]
+            names = names[2:] if head == "entry points" else names[1:]
+            if head.endswith(".py"):  # a file of training/ on a line of its own
+                folder, names = "training", [head]
+            elif head in DIAGRAM_FOLDERS:
+                folder = DIAGRAM_FOLDERS[head]
+            elif head in ("models/", "data/"):
+                folder = head.rstrip("/")
+            else:
+                folder = "training/" + head.rstrip("/")
+        for name in names:
+            if name == "...":
+                break
+            if name == "preflight/" and folder == "training":
+                folder = "training/preflight"
+                continue
+            listing.setdefault(folder, []).append(name)
+    return listing
+
+
+def diagram_mismatches(root: Path, listing: dict[str, list[str]]) -> list[str]:
+    """What the diagram draws that is not there, and the modules it leaves out (every .py but
+    __init__.py of a folder it draws in full, and every package inside)."""
+    wrong = []
+    for folder, names in listing.items():
+        for name in names:
+            if not list((root / folder).glob(name.rstrip("/"))):
+                wrong.append(f"{folder}/{name} is drawn but does not exist")
+        if folder in DIAGRAM_PARTIAL:
+            continue
+        drawn = {n.rstrip("/").split("/")[0] for n in names}
+        for path in sorted((root / folder).iterdir()):
+            is_module = path.suffix == ".py" and path.name != "__init__.py"
+            is_package = path.is_dir() and (path / "__init__.py").exists()
+            listed_apart = f"{folder}/{path.name}" in listing
+            if (is_module or is_package) and path.name not in drawn and not listed_apart:
+                wrong.append(f"{folder}/{path.name} is not drawn")
+    return wrong
+
+
+def test_the_layer_diagram_draws_every_module_and_only_real_ones():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    assert not diagram_mismatches(REPO, diagram_listing(text))
+    table = set(re.findall(r"^\| `([\w/]+\.py)`", text, flags=re.M))
+    assert table and not [p for p in table if not (REPO / "training" / p).exists()]
+
+
+def test_the_diagram_check_sees_a_missing_and_an_undrawn_module(tmp_path):
+    for name in ("a.py", "b.py", "__init__.py"):
+        (tmp_path / "training" / "loop").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "training" / "loop" / name).write_text("")
+    text = "## The layers\n\n```\nloop/          a.py  gone.py\n```\n"
+    assert diagram_mismatches(tmp_path, diagram_listing(text)) == [
+        "training/loop/gone.py is drawn but does not exist",
+        "training/loop/b.py is not drawn",
+    ]

@@ -185,7 +185,7 @@ def test_background_work_that_does_not_fit_beside_the_ranks_is_refused(tiny_data
     from training.errors import ConfigError
     from training.memory import plan
     from training.preflight import prepare_run
-    from training.preflight.followup_plan import BYTES_PER_PARAM
+    from training.preflight.followup_checks import BYTES_PER_PARAM
     from training.settings import flags as cli
 
     argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--model", "125M"]

@@ -21,7 +21,7 @@ from conftest import REPO, TINY_RUN, launch, rank_exit_codes, read_metrics
 from training.errors import ConfigError
 from training.settings import flags, runfile, settings_doc
 from training.settings import run_config as tree
-from training.settings.run_config import GROUPS, RunConfig, nested, settings
+from training.settings.run_config import GROUPS, RunConfig, flat, nested, settings
 
 BASE = ["--data", "D", "--out", "O"]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -317,7 +317,9 @@ def test_preflight_makes_every_auto_and_not_given_concrete(tiny_data, tmp_path):
     assert None not in [v for k, v in vars(r.optim).items()], r.optim
     assert (r.optim.micro_batch, r.optim.warmup, r.optim.eps) == (2, 2, 1e-8)
     assert r.model.attention != "auto" and r.model.compile is False  # TINY_RUN: --no-compile
-    assert r.engine.ds_config.endswith("zero2.json") and r.engine.precision in ("bf16", "fp32")
+    zero2 = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    assert r.engine.ds_config == zero2 and r.engine.precision in ("bf16", "fp32")
+    assert prepared.config_path.endswith("zero2.json")
     assert r.host.hold_weights == "off" and r.host.zero3_whole_blocks == "off"  # ZeRO-2
     assert {"optim.eps", "engine.precision", "model.compile", "host.grad_sum"} <= set(prepared.why)
     assert prepared.why["model.compile"] == "--no-compile"
@@ -325,20 +327,81 @@ def test_preflight_makes_every_auto_and_not_given_concrete(tiny_data, tmp_path):
     assert overlap.startswith("auto: off on cpu"), overlap
 
 
+# Layouts whose resolution decides the most (stages, switches, the schedule, the optimizer)
+REPLAYED = {
+    "zero2": [],
+    "zero3": ["--ds_config", "ds_configs/zero3.json"],
+    "ddp": ["--backend", "ddp"],
+    "fsdp": ["--backend", "fsdp"],
+    "pipeline": ["--ds_config", "ds_configs/pipeline.json", "--grad-accum", "2"],
+    "offload": ["--ds_config", "ds_configs/zero2_offload.json"],
+    "muon_wsd": ["--optimizer", "muon", "--schedule", "wsd", "--steps", "20"],
+}
+
+
+@pytest.mark.parametrize("extra", REPLAYED.values(), ids=REPLAYED.keys())
+def test_the_resolved_tree_resolves_to_itself(tiny_data, tmp_path, extra):
+    """What a run writes as RUN/run.yaml (the resolved tree, its DeepSpeed config inline),
+    passed back as --config, resolves to the same tree and the same DeepSpeed config, with no
+    `auto` or "not given" left in it: the run file is a replay, not the request."""
+    from training.preflight import prepare_run
+
+    args = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), *TINY_RUN, *extra]
+    first = prepare_run(flags.parse(args), world=2)
+    path = tmp_path / "run.yaml"
+    runfile.dump(nested(first.config), path, "a header\nof two lines")
+    asked = flags.parse(["--config", str(path)])
+    assert isinstance(asked.engine.ds_config, dict)
+    again = prepare_run(asked, world=2)
+    assert nested(again.config) == nested(first.config)
+    assert again.ds_config == first.ds_config
+    left = {k for k, v in flat(asked).items() if v is None or v == "auto"}
+    # what stays as asked: the switches that change no number and follow the host (a replay
+    # on another host decides them there), policies for later events, and what was not asked
+    follow_host = {"grad_sum", "shm_collectives", "keep_freed_memory", "universal"}
+    not_asked = {"lora", "run_name", "wandb_project", "profile", "peak_tflops", "stop_at",
+                 "nvme_path", "eval_tasks", "eval_tasks_every", "eval_tasks_limit",
+                 "allow_recipe_change", "host_mem_gib", "device_mem_gib", "config",
+                 "local_rank", "resume"}  # fmt: skip
+    assert left <= follow_host | not_asked, left - follow_host - not_asked
+
+
+def test_a_run_file_holding_a_bad_ds_config_is_one_line(tiny_data, tmp_path):
+    from training.preflight import prepare_run
+
+    text = f"data: {{path: {tiny_data}}}\nout: {tmp_path / 'run'}\nengine:\n  ds_config:\n"
+    path = write(tmp_path, text + "    train_batch_size: auto\n    zero_optimizationn: {}\n")
+    with pytest.raises(ConfigError, match="run file's engine.ds_config.*zero_optimizationn"):
+        prepare_run(flags.parse(["--config", path]), world=1)
+
+
 # ------------------------------------------------------------------------------------- replay
+REPLAYS = {
+    "deepspeed": (2, []),
+    "ddp": (2, ["--backend", "ddp"]),
+    "dpo": (1, ["--objective", "dpo"]),
+}
+
+
 @pytest.mark.slow
-def test_a_run_replayed_from_its_record_logs_the_same_losses(tiny_data, tmp_path):
-    """10 steps on 2 ranks, then the same run from its resolved_config.json into another
-    folder: the same losses to the bit (and run.yaml holds the same tree)."""
+@pytest.mark.parametrize("name", REPLAYS)
+def test_a_run_replayed_from_its_run_file_logs_the_same_losses(tiny_data, pairs, tmp_path, name):
+    """A short run, then the same run from its RUN/run.yaml into another folder: the same
+    losses to the bit. The run file holds the resolved tree (the DeepSpeed config inline, every
+    auto decided) and reads as the record's `resolved`; the record keeps the tree asked for."""
+    nproc, extra = REPLAYS[name]
+    data = pairs["data"] if name == "dpo" else tiny_data
     first, again = tmp_path / "first", tmp_path / "again"
-    launch(["--data", str(tiny_data), "--out", str(first), *TINY_RUN, "--steps", "10"])
-    record = first / "resolved_config.json"
-    assert flags.parse(["--config", str(first / "run.yaml")]) == flags.parse(
-        ["--config", str(record)]
-    )
-    launch(["--config", str(record), "--out", str(again), "--save-every", "-1"])
+    args = ["--data", str(data), "--out", str(first), *TINY_RUN, "--steps", "6", *extra]
+    launch(args, nproc=nproc)
+    record, run_file = first / "resolved_config.json", first / "run.yaml"
+    replayed = flags.parse(["--config", str(run_file)])
+    assert replayed == flags.parse(["--config", str(record)])
+    assert isinstance(replayed.engine.ds_config, dict) and replayed.optim.eps == 1e-8
+    assert run_file.read_text().startswith("# The run as it ran")
+    launch(["--config", str(run_file), "--out", str(again), "--save-every", "-1"], nproc=nproc)
     a, b = read_metrics(first), read_metrics(again)
-    assert len(a) == 10 and [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert len(a) == 6 and [r["loss"] for r in a] == [r["loss"] for r in b]
     saved = json.loads(record.read_text())
     assert saved["resolved"]["optim"]["lr"] == 3e-3 and saved["resolved"]["optim"]["eps"] == 1e-8
     assert saved["config"]["optim"]["eps"] is None and saved["why"]["optim.eps"]

@@ -15,7 +15,7 @@ Exit codes: one per kind of ending, so a restart loop (or a person) can tell "re
     130 a second Ctrl-C: stopped at once, without saving
 
 Restart loops (launch/local.sh) retry 1, 4, 6 and 75 and stop on 0, 2, 3 and 5, which would only
-fail the same way again. How a run is turned into one of these is training/guard.py.
+fail the same way again. How a run is turned into one of these is training/run_exit.py.
 """
 
 from __future__ import annotations

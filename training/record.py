@@ -20,6 +20,7 @@ from data import BatchLoader
 from data.mixture import fingerprint, parse_spec
 from models.hub import resolve_pretrained
 from training.runtime import cluster, nccl_env, patches
+from training.runtime.flops import cpu_name
 from training.runtime.shm import routed_dtypes as shm_routed_dtypes
 from training.settings import ds_config, parallel, runfile
 from training.settings.run_config import flat, nested
@@ -110,9 +111,9 @@ def run_record(
 
 
 def settings_record(prepared) -> dict:
-    """The run's configuration three ways: as asked (`config`: the run file that replays the
-    run, --config), as the run used it (`resolved`, every auto made concrete, with `why`), and
-    flat by flag name (`flags`, the resolved values)."""
+    """The run's configuration three ways: as asked (`config`), as the run used it (`resolved`,
+    every auto made concrete and the DeepSpeed config held whole, with `why`: the run file that
+    replays the run, --config), and flat by flag name (`flags`, the resolved values)."""
     return {
         "config": nested(prepared.asked),
         "resolved": nested(prepared.config),
@@ -136,8 +137,37 @@ def write_record(run_dir: Path, record: dict, manifest) -> None:
     """Rank 0: resolved_config.json, and the run's own copy of the tokenizer (so exports work
     after the data folder moves)."""
     (run_dir / "resolved_config.json").write_text(json.dumps(record, indent=1, default=str))
-    runfile.dump(record["config"], run_dir / "run.yaml")
+    runfile.dump(record["resolved"], run_dir / "run.yaml", replay_header(record, run_dir.name))
     shutil.copytree(manifest.tokenizer_dir, run_dir / "tokenizer", dirs_exist_ok=True)
+
+
+# What preflight decides by the host it runs on: a replay elsewhere may not run these
+HOST_DECIDED = ("engine.precision", "model.attention", "model.compile", "host.")
+
+
+def replay_header(record: dict, name: str) -> str:
+    """run.yaml's opening comment: what the file is, how to replay it, and the values this
+    host decided (another host may refuse them, each in one line naming the setting)."""
+    resolved = record["resolved"]
+    decided = [
+        f"{path}={resolved[path.split('.')[0]][path.split('.')[1]]}"
+        for path in record["why"]
+        if path.startswith(HOST_DECIDED) and path.count(".") == 1
+    ]
+    return (
+        "The run as it ran: every auto made concrete, and the DeepSpeed config "
+        f"({record['ds_config_file']}) held whole.\n"
+        f"python training/train.py --config {name}/run.yaml --out ANOTHER replays it.\n"
+        f"Decided by this host ({_host(record['device'])}): {', '.join(decided)};\n"
+        "on another host class, set any it refuses to auto."
+    )
+
+
+def _host(device: str) -> str:
+    """The host class in words: the CPU's model, or a CUDA device's name."""
+    if device == "cpu":
+        return cpu_name()
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
 
 
 def describe_ranks(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.checkpoints import layout, universal_copy
-from training.checkpoints.resume_plan import ResumePlan, verify_resume
+from training.checkpoints.resume_point import ResumePlan, verify_resume
 from training.errors import BAD_INPUT, CheckpointError, ConfigError
 from training.preflight import Prepared, probe_dtypes, rank0_printer, settle_precision
 from training.runtime import cluster, distributed, nccl_env, runlock

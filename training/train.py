@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 training/train.py --backend ddp --data DATA_DIR --out runs/ddp
 
 parse the run's configuration (settings/flags.py: the flags over the run file) -> check
-everything that can be checked before any work (preflight/) -> train under guard.py, which turns how the run ended into its exit code
+everything that can be checked before any work (preflight/) -> train under run_exit.py, which turns how the run ended into its exit code
 (errors.py: 0 done, 2 bad input, 3 diverged, 4 lost a rank, 5 could not save, 75 preempted).
 Training: the process group and the resume plan verified by all ranks (startup.py), the model
 built for its engine, the engine, the data restored to where the checkpoint left it, the run's
@@ -37,13 +37,13 @@ from models import (
 )
 from models.hub import resolve_pretrained
 from models.lora import apply_lora
-from training.checkpoints.resume_plan import ResumePlan
+from training.checkpoints.resume_point import ResumePlan
 from training.checkpoints.weights import folder_weights
 from training.engines import Engine, build_engine, replicas
 from training.engines.construct import build_for_engine
 from training.engines.spike_guard import SpikeGuard
 from training.errors import HUNG, CheckpointError, ConfigError
-from training.guard import record_ending, refused, run_guarded
+from training.run_exit import record_ending, refused, run_guarded
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run
 from training.loop.followups import Followups
 from training.loop.loop import LiveCeiling

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from models import build_model
-from training.engines import OptimizerConfig
+from training.engines import OptimizerHparams
 from training.engines.construct import build_for_engine
 from training.engines.fsdp import FSDPEngine
 from training.memory.peak import host_peak_bytes
@@ -51,7 +51,7 @@ def main() -> None:
     deferred = hasattr(model, "deferred_init")
     engine = FSDPEngine(
         model=model,
-        optimizer=OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0),
+        optimizer=OptimizerHparams(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0),
         device=dist.device,
         precision="fp32",
         grad_accum=1,

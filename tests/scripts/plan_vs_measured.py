@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from data import load_manifest
-from training.engines import OptimizerConfig, build_engine
+from training.engines import OptimizerHparams, build_engine
 from training.engines.construct import build_for_engine
 from training.memory import plan as memory_plan
 from training.memory.shape import model_shape
@@ -47,7 +47,7 @@ def measure(config: str, data: str, model: str, dist) -> tuple[dict, dict]:
         s.engine,
         model=net,
         ds_config=ds_cfg,
-        optimizer=OptimizerConfig(
+        optimizer=OptimizerHparams(
             D["lr"], (D["beta1"], D["beta2"]), D["eps"], D["weight_decay"], s.optim.muon_lr
         ),
         device=dist.device,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from data import BatchLoader, load_manifest, open_split
-from training.engines import OptimizerConfig, build_engine
+from training.engines import OptimizerHparams, build_engine
 from training.engines.construct import build_for_engine
 from training.loop.loop import _micro_batches
 from training.runtime import distributed
@@ -61,7 +61,7 @@ def one_step(run: str, data: str, seed: int, dist) -> tuple[dict, dict, float]:
         s.engine,
         model=model,
         ds_config=cfg,
-        optimizer=OptimizerConfig(1e-3, (0.9, 0.95), 1e-8, 0.0),
+        optimizer=OptimizerHparams(1e-3, (0.9, 0.95), 1e-8, 0.0),
         device=dist.device,
         precision="fp32",
     )

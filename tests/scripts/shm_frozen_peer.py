@@ -9,7 +9,7 @@ import sys
 import deepspeed.comm as ds
 import torch
 
-from training.guard import run_guarded
+from training.run_exit import run_guarded
 from training.runtime import distributed, shm
 
 

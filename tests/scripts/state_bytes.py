@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from data import load_manifest
-from training.engines import OptimizerConfig, build_engine
+from training.engines import OptimizerHparams, build_engine
 from training.engines.construct import build_for_engine
 from training.runtime import distributed
 from training.settings import ds_config, flags
@@ -47,7 +47,7 @@ def measure(name: str, data: str, model_dir: str, dist) -> dict:
         s.engine,
         model=model,
         ds_config=ds_cfg,
-        optimizer=OptimizerConfig(D["lr"], (D["beta1"], D["beta2"]), D["eps"], D["weight_decay"]),
+        optimizer=OptimizerHparams(D["lr"], (D["beta1"], D["beta2"]), D["eps"], D["weight_decay"]),
         device=dist.device,
         precision=ds_config.precision(ds_cfg),
     )

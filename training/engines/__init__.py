@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.base import Engine, OptimizerHparams, StepResult
 from training.engines.ddp import DDPEngine
 from training.engines.ddp import load_full_state_dict as ddp_full_state_dict
 from training.engines.ds import DeepSpeedEngine
@@ -21,7 +21,7 @@ from training.engines.pipeline_engine import PipelineEngine
 from training.settings.ds_config import pipeline_stages
 from training.settings.run_config import EngineConfig
 
-__all__ = ["Engine", "OptimizerConfig", "StepResult", "build_engine", "load_full_state_dict"]
+__all__ = ["Engine", "OptimizerHparams", "StepResult", "build_engine", "load_full_state_dict"]
 
 
 def build_engine(
@@ -29,7 +29,7 @@ def build_engine(
     *,
     model,
     ds_config: dict,
-    optimizer: OptimizerConfig,
+    optimizer: OptimizerHparams,
     device: torch.device,
     precision: str,
     attention: str = "sdpa",

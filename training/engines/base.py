@@ -35,7 +35,7 @@ class StepResult:
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerHparams:
     """The optimizer's hyper-parameters (the learning rate is the schedule's start; `set_lr`
     moves it)."""
 

@@ -19,7 +19,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
 from models import transformer_blocks
-from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.base import Engine, OptimizerHparams, StepResult
 from training.engines.expert_parallel import capture_router_logits
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, group_lr, param_groups, tag_muon
@@ -152,7 +152,7 @@ class DeepSpeedEngine(Engine):
         *,
         model,
         ds_config: dict,
-        optimizer: OptimizerConfig,
+        optimizer: OptimizerHparams,
         device: torch.device,
         whole_blocks: bool = False,
         grad_sum: bool = False,
@@ -423,7 +423,7 @@ class StagedCheckpointEngine(CheckpointEngine):
     background writer (checkpoints/background.py) instead of writing it, everything else is
     the engine's own. save_checkpoint returns once every file is staged, and zerostack seals
     the folder when the writers are done. (DeepSpeed's decoupled writer commits at a later step
-    on its own terms, not telling zerostack when the files are durable: settings/sections.py
+    on its own terms, not telling zerostack when the files are durable: settings/ds_sections.py
     refuses it.)"""
 
     def __init__(self, own, writer):

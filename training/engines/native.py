@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from training.engines.base import Engine, OptimizerConfig, StepResult
+from training.engines.base import Engine, OptimizerHparams, StepResult
 from training.engines.nonfinite import poison
 from training.engines.optim import group_lr, muon_split, native_optimizer
 from training.memory.state_bytes import state_bytes
@@ -26,7 +26,7 @@ class NativeEngine(Engine):
         self,
         *,
         model,
-        optimizer: OptimizerConfig,
+        optimizer: OptimizerHparams,
         device: torch.device,
         precision: str,
         grad_accum: int,

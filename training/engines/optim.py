@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from models import transformer_blocks
-from training.engines.base import OptimizerConfig
+from training.engines.base import OptimizerHparams
 from training.settings.hparams import MUON_MOMENTUM
 
 
@@ -52,7 +52,7 @@ def tag_muon(model: torch.nn.Module) -> set[str]:
     return muon
 
 
-def group_lr(group: dict, lr: float, config: OptimizerConfig) -> float:
+def group_lr(group: dict, lr: float, config: OptimizerHparams) -> float:
     """A param group's learning rate for the schedule's `lr`: Muon's groups follow it in
     proportion, from --muon-lr at the peak --lr."""
     if not group.get("use_muon") or config.muon_lr is None:
@@ -61,7 +61,7 @@ def group_lr(group: dict, lr: float, config: OptimizerConfig) -> float:
 
 
 def adamw(
-    groups: list[dict], config: OptimizerConfig, *, device_type: str
+    groups: list[dict], config: OptimizerHparams, *, device_type: str
 ) -> torch.optim.Optimizer:
     """torch AdamW over `groups` (their weight decay is their own), fused where the device
     supports it (on CPU several times the default for-each implementation)."""
@@ -70,7 +70,7 @@ def adamw(
 
 
 def native_optimizer(
-    model: torch.nn.Module, config: OptimizerConfig, muon: list[str], *, device_type: str
+    model: torch.nn.Module, config: OptimizerHparams, muon: list[str], *, device_type: str
 ) -> torch.optim.Optimizer:
     """What the native engines (DDP, FSDP2) step: AdamW over param_groups, or with a Muon lr
     torch.optim.Muon over the parameters named in `muon` (muon_split's, taken before the

@@ -29,7 +29,7 @@ from models.pipeline import (
     pipeline_state_dict_to_model,
     tied_head,
 )
-from training.engines.base import OptimizerConfig, StepResult
+from training.engines.base import OptimizerHparams, StepResult
 from training.engines.ds import DeepSpeedEngine
 from training.engines.pipeline_tensor import split_stage, stage_topology, without_tensor_parallel
 from training.settings import parallel
@@ -110,7 +110,7 @@ class PipelineEngine(DeepSpeedEngine):
         *,
         model,
         ds_config: dict,
-        optimizer: OptimizerConfig,
+        optimizer: OptimizerHparams,
         device: torch.device,
         attention: str,
     ):

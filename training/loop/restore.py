@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 
 from training.checkpoints import layout
-from training.checkpoints.resume_plan import ResumePlan
+from training.checkpoints.resume_point import ResumePlan
 from training.engines.base import Engine
 from training.engines.spike_guard import LOSS_SCALE, saved_accumulation
 from training.errors import CheckpointError

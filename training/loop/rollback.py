@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from training.checkpoints import layout
-from training.checkpoints.resume_plan import ResumePlan
+from training.checkpoints.resume_point import ResumePlan
 from training.checkpoints.universal_copy import Topology
 from training.errors import Diverged
 from training.loop.restore import restore

@@ -10,6 +10,7 @@ environment to decide anything (the launcher's layout, the host's memory)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 from dataclasses import dataclass, field, replace
@@ -19,9 +20,9 @@ from data import load_data
 from data.manifest import Manifest
 from data.mixture import fingerprint
 from models import pick_attention_kernel
-from training.checkpoints.resume_plan import ResumePlan, plan_resume
+from training.checkpoints.resume_point import ResumePlan, plan_resume
 from training.checkpoints.universal_copy import Topology
-from training.engines.base import OptimizerConfig
+from training.engines.base import OptimizerHparams
 from training.loop.schedule import Schedule
 from training.memory.shape import shape_of_config
 from training.preflight import precision as precisions
@@ -34,7 +35,7 @@ from training.preflight.engine_support import (
     check_parallel,
     check_preference_precision,
 )
-from training.preflight.followup_plan import background_bytes, plan_followups
+from training.preflight.followup_checks import background_bytes, plan_followups
 from training.preflight.memory_fit import check_memory
 from training.preflight.model_folder import (
     check_lengths,
@@ -60,6 +61,9 @@ from training.runtime.distributed import accelerator
 from training.settings import ds_config, nvme, parallel
 from training.settings.run_config import RunConfig
 
+# Where a DeepSpeed config held inside a run file came from, in its errors and the banner
+INLINE_DS_CONFIG = "the run file's engine.ds_config"
+
 __all__ = [
     "Precision",
     "Prepared",
@@ -81,6 +85,7 @@ class Prepared:
     asked: RunConfig  # the configuration as given (flags over the run file)
     ds_config: dict  # resolved: no "auto" left, the batch triplet derived
     config_path: str
+    ds_json: dict  # the DeepSpeed JSON as read: what the run file keeps (RUN/run.yaml)
     precision: str  # bf16 | fp16 | fp32: what the run trains in (planned, until settled)
     precision_asked: str  # auto | bf16 | fp16 | fp32
     # Why, and the rates measured; None until settle_precision (a CPU measures once the process
@@ -91,7 +96,7 @@ class Prepared:
     topology: Topology  # this run's: what a checkpoint's files depend on
     resume: ResumePlan | None
     # The optimizer's numbers and the schedule: flag given > ds_config > default (hparams.py)
-    optimizer: OptimizerConfig
+    optimizer: OptimizerHparams
     schedule: Schedule
     activation_checkpointing: bool = False  # the flag, or the config's section
     model_overrides: dict | None = None  # config fields the model is built with (positions)
@@ -138,6 +143,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     check_launch_env()
     device = accelerator().device_name()
     raw, cfg_path = load_config(config, device)
+    ds_json = copy.deepcopy(raw)
     log = rank0_printer(rank)
     manifest = load_data(config.data.path, config.data.seq_len, verify=True, log=log)
     overrides = model_overrides(config.model.name, config.data.seq_len, config.model.qk_norm)
@@ -186,6 +192,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
         asked=config,
         ds_config=cfg,
         config_path=cfg_path,
+        ds_json=ds_json,
         precision=precision,
         precision_asked=want,
         precision_choice=None,
@@ -210,20 +217,25 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     return choose_precision(config, prepared)
 
 
-def optimizer_config(values: dict, config: RunConfig) -> OptimizerConfig:
+def optimizer_config(values: dict, config: RunConfig) -> OptimizerHparams:
     """The engines' optimizer numbers from the resolved ones (hparams.py), with Muon's lr under
     --optimizer muon."""
     muon = config.optim.muon_lr if config.optim.optimizer == "muon" else None
     betas = tuple(values["betas"])
-    return OptimizerConfig(values["lr"], betas, values["eps"], values["weight_decay"], muon)
+    return OptimizerHparams(values["lr"], betas, values["eps"], values["weight_decay"], muon)
 
 
 def load_config(config: RunConfig, device: str) -> tuple[dict, str]:
-    """The DeepSpeed JSON the run names (or accelerate hands over, or the backend's default)
-    and its path, its own mistakes refused before the data's checksums are read."""
-    default = "zero2.json" if config.engine.backend == "deepspeed" else "zero0.json"
-    cfg_path = accelerate_ds_config(config.engine.ds_config) or str(ds_config.CONFIG_DIR / default)
-    raw = ds_config.load_json(cfg_path)
+    """The DeepSpeed JSON the run names (or accelerate hands over, or the backend's default,
+    or a run file holds itself) and where it came from, its own mistakes refused before the
+    data's checksums are read."""
+    asked = config.engine.ds_config
+    if isinstance(asked, dict):  # a run file's own copy (RUN/run.yaml)
+        raw, cfg_path = copy.deepcopy(asked), INLINE_DS_CONFIG
+    else:
+        default = "zero2.json" if config.engine.backend == "deepspeed" else "zero0.json"
+        cfg_path = accelerate_ds_config(asked) or str(ds_config.CONFIG_DIR / default)
+        raw = ds_config.load_json(cfg_path)
     ds_config.precheck(
         raw, optim=config.optim, engine=config.engine, source=cfg_path, device_type=device
     )

@@ -21,9 +21,9 @@ def check_memory(
 ) -> None:
     """The memory plan (training/memory/verdict.py) before any rank allocates the model: a run it
     says cannot fit is refused, naming the shipped config that would (--force tries anyway).
-    The plan's advice is kept for a rank that runs out of memory later (training/guard.py).
+    The plan's advice is kept for a rank that runs out of memory later (training/run_exit.py).
     `background`: what rank 0's background work on checkpoints adds to its host
-    (preflight/followup_plan.py)."""
+    (preflight/followup_checks.py)."""
     verdict = _verdict(
         config, cfg, cfg_path, shape, world, ranks_per_host, config.checkpoint.async_save
     )

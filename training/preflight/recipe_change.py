@@ -4,7 +4,7 @@ checkpoint was trained with. A change is the user's decision, asked for by name 
 
 from __future__ import annotations
 
-from training.checkpoints.resume_plan import ResumePlan
+from training.checkpoints.resume_point import ResumePlan
 from training.errors import CheckpointError, ConfigError
 from training.settings.run_config import RunConfig
 

@@ -2,12 +2,16 @@
 "not given" made concrete from what preflight found (the DeepSpeed config as resolved, the
 optimizer's numbers and the schedule, the precision, the attention kernel, the behaviour
 switches), and why each of those has its value. train.py and everything below it read this
-tree; resolved_config.json keeps it beside the tree asked for (`resolved`, `why`)."""
+tree; resolved_config.json keeps it beside the tree asked for (`resolved`, `why`), and
+RUN/run.yaml is this tree: its DeepSpeed config is the JSON itself, not a path, so the file
+replays the run wherever it is passed back (`--config RUN/run.yaml`), and resolving it again
+gives the same tree."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from data.pairs import is_pairs
 from training.settings import ds_config
 from training.settings.run_config import RunConfig
 
@@ -31,6 +35,7 @@ def concrete(asked: RunConfig, found) -> tuple[RunConfig, dict[str, str]]:
         warmup=sch.warmup,
         min_lr_ratio=sch.min_lr_ratio,
         decay_steps=sch.decay if sch.kind == "wsd" else 0,
+        objective=_objective(asked.optim.objective, found.manifest),
     )
     model = replace(
         asked.model,
@@ -41,16 +46,21 @@ def concrete(asked: RunConfig, found) -> tuple[RunConfig, dict[str, str]]:
     pipe = cfg.get("pipeline", {})
     engine = replace(
         asked.engine,
-        ds_config=found.config_path,
+        ds_config=found.ds_json,
         precision=found.precision,
-        pipeline_stages=ds_config.pipeline_stages(cfg),
+        pipeline_stages=ds_config.pipeline_stages(cfg) if pipe else None,
         pipeline_partition=pipe.get("partition", "parameters") if pipe else None,
     )
+    # grad_sum, shm_collectives and keep_freed_memory stay as asked: they change no number
+    # (each measured bit for bit against its off), only speed or memory on this host, and can
+    # only be turned off, so a replay on another host decides them there
     host = replace(
         asked.host,
         hold_weights="on" if sw.hold_weights else "off",
         zero3_whole_blocks="on" if sw.zero3_whole_blocks else "off",
     )
+    if asked.optim.objective == "auto":
+        why["optim.objective"] = "auto: dpo on preference pairs, else next-token"
     choice = found.precision_choice
     why["engine.precision"] = choice.why if choice else "planned; measured once the ranks are up"
     why["model.attention"] = f"--attention {asked.model.attention} on {found.host.device_type}"
@@ -66,6 +76,13 @@ def concrete(asked: RunConfig, found) -> tuple[RunConfig, dict[str, str]]:
         why[f"ds_config.{key}"] = f"auto: {on} on {device} (settings/ds_config.py: DEVICE_AUTOS)"
     tree = replace(asked, optim=optim, model=model, engine=engine, host=host)
     return tree, why
+
+
+def _objective(asked: str, manifest) -> str:
+    """--objective auto made concrete: DPO on preference pairs, else next-token."""
+    if asked != "auto":
+        return asked
+    return "dpo" if is_pairs(manifest) else "next-token"
 
 
 def _not_given(section) -> list[str]:

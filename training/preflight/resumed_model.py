@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from models import from_llama_config
 from models.lora import LoraSpec, stored_lora
-from training.checkpoints.resume_plan import ResumePlan
+from training.checkpoints.resume_point import ResumePlan
 from training.errors import CheckpointError
 
 # What a checkpoint's weights depend on: a resume with another value cannot load them.

@@ -4,7 +4,7 @@ Values come from the DeepSpeed JSON file first; then the settings that name a ke
 (`overridden_keys` says which; the optimizer's numbers and the schedule follow the same rule in
 hparams.py); then every "auto" is resolved; then the batch triplet
 `train_batch_size = micro_batch x grad_accum x data_parallel_world` is derived and checked here
-and nowhere else (the data-parallel world: settings/parallel.py). Every key is applied or refused (sections.py), and the sections DeepSpeed
+and nowhere else (the data-parallel world: settings/parallel.py). Every key is applied or refused (ds_sections.py), and the sections DeepSpeed
 models are run through its own classes before any rank starts. Every failure is a
 `ConfigError` with one line naming the file and key.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import ConfigError
-from training.settings import hparams, parallel, sections
+from training.settings import ds_sections, hparams, parallel
 from training.settings.run_config import EngineConfig, OptimConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"  # the shipped configs
@@ -152,9 +152,9 @@ def check_keys(cfg: dict, source: str) -> dict:
         if k.startswith("_"):
             continue
         if k not in KNOWN_KEYS:
-            hint = sections.near(k, sorted(KNOWN_KEYS))
+            hint = ds_sections.near(k, sorted(KNOWN_KEYS))
             raise ConfigError(f"{source}: unknown top-level key {k!r}{hint}")
-        if k in sections.OBJECT_KEYS and not isinstance(v, dict):
+        if k in ds_sections.OBJECT_KEYS and not isinstance(v, dict):
             raise ConfigError(
                 f"{source}: {k} must be an object ({{...}}), got {json.dumps(v)[:40]}"
             )
@@ -332,9 +332,9 @@ def precheck(
         if value is not None:
             cfg[key] = value
     backend = engine.backend
-    sections.check_stage(cfg, source)
-    sections.validate_with_deepspeed(cfg, source)
-    sections.check_applied(
+    ds_sections.check_stage(cfg, source)
+    ds_sections.validate_with_deepspeed(cfg, source)
+    ds_sections.check_applied(
         cfg, backend=backend, steps=optim.steps, device_type=device_type, source=source
     )
     for path, _value in auto_paths(cfg):
@@ -405,7 +405,7 @@ def _resolve_pipeline(cfg: dict, engine: EngineConfig, checkpointing: bool, sour
     if not pipe:
         return
     stages = pipe.get("stages", 1)
-    if not sections.is_whole(stages, 1):
+    if not ds_sections.is_whole(stages, 1):
         raise ConfigError(f"{source}: pipeline.stages must be a positive integer, got {stages!r}")
     if pipe.get("partition", "parameters") not in PIPELINE_PARTITIONS:
         raise ConfigError(
@@ -413,7 +413,7 @@ def _resolve_pipeline(cfg: dict, engine: EngineConfig, checkpointing: bool, sour
             f"got {pipe['partition']!r}"
         )
     interval = pipe.get("activation_checkpoint_interval", 0)
-    if not sections.is_whole(interval):
+    if not ds_sections.is_whole(interval):
         raise ConfigError(
             f"{source}: pipeline.activation_checkpoint_interval must be a whole number of "
             f"layers (0: off), got {interval!r}"
@@ -428,7 +428,7 @@ def _derive_batch(cfg: dict, dp: int, source: str) -> None:
         v = cfg.get(key, "auto")
         if v == "auto" or v is None:
             return None
-        if not sections.is_whole(v, 1):
+        if not ds_sections.is_whole(v, 1):
             raise ConfigError(f"{source}: {key} must be a positive integer, got {v!r}")
         return v
 

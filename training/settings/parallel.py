@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from training.errors import ConfigError
-from training.settings import sections
+from training.settings import ds_sections
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def check_experts(ep: int, data_parallel: int, model_cfg, source: str, pattern=N
     integer, not dividing the data-parallel ranks, for a model without experts, leaving a
     rank without an expert or with a share of one, or a layer pattern (`pattern`, the section's
     moe_layer_pattern) naming our model's layers for another model, where AutoEP finds none."""
-    if not sections.is_whole(ep, 1):
+    if not ds_sections.is_whole(ep, 1):
         raise ConfigError(f"{source}: expert_parallel.autoep_size must be a positive integer")
     if data_parallel % ep:
         raise ConfigError(
@@ -99,12 +99,12 @@ def layout(cfg: dict, world: int, source: str) -> Layout:
     if not isinstance(tp_section, dict):
         raise ConfigError(f"{source}: tensor_parallel must be an object")
     tp = tp_section.get("autotp_size", 0)
-    if not sections.is_whole(tp):
+    if not ds_sections.is_whole(tp):
         raise ConfigError(
             f"{source}: tensor_parallel.autotp_size must be a whole number (0 or 1: off), got {tp!r}"
         )
     sp = cfg.get("sequence_parallel_size", 1)
-    if not sections.is_whole(sp, 1):
+    if not ds_sections.is_whole(sp, 1):
         raise ConfigError(
             f"{source}: sequence_parallel_size must be a positive integer, got {sp!r}"
         )

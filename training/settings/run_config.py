@@ -362,10 +362,11 @@ class EngineConfig:
     backend: Literal["deepspeed", "ddp", "fsdp"] = setting(
         "deepspeed", "the engine: DeepSpeed, or PyTorch's DDP or FSDP2 on the same model and data"
     )
-    ds_config: str | None = setting(
+    ds_config: str | dict | None = setting(
         None,
         "DeepSpeed JSON (ddp/fsdp read its batch, precision, clipping, optimizer and "
-        "scheduler). Also spelled --deepspeed X and --deepspeed --deepspeed_config X",
+        "scheduler). Also spelled --deepspeed X and --deepspeed --deepspeed_config X; a run "
+        "file may hold the JSON itself as a mapping, as RUN/run.yaml does",
         shown="ds_configs/zero2.json; ddp/fsdp: ds_configs/zero0.json",
         aliases=["--ds_config", "--deepspeed_config"],
     )

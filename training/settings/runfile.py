@@ -1,8 +1,9 @@
 """A run kept in a file: `--config run.yaml` holds any subset of the settings, nested as the
 tree of run_config.py (`optim: {lr: 3.0e-4}`), and flags on the command line override it. YAML,
 because it is what the field's recipes are written in (axolotl, litgpt, TRL's and the HF
-alignment recipes) and JSON is YAML too: `RUN/resolved_config.json` (its `config`) and
-`RUN/run.yaml`, both written by every run, replay that run when passed back.
+alignment recipes) and JSON is YAML too: `RUN/resolved_config.json` (its `resolved` tree) and
+`RUN/run.yaml`, both written by every run, replay that run when passed back: every `auto` as it
+was decided, and the DeepSpeed config held whole (`engine.ds_config` as a mapping).
 
 Parsing is PyYAML's (its safe loader: no tags, no code), with YAML 1.2's floats (`3e-4` is a
 float, where YAML 1.1 reads a string); types, `Literal` choices and nested sections are
@@ -21,7 +22,7 @@ import yaml
 
 from training.errors import ConfigError
 from training.settings.run_config import Setting, settings
-from training.settings.sections import near
+from training.settings.ds_sections import near
 
 
 class _Loader(yaml.SafeLoader):
@@ -53,7 +54,7 @@ def load(path: str) -> dict:
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: a run file is a mapping of sections, got {type(tree).__name__}")
     if isinstance(tree.get("config"), dict) and "ds_config" in tree:  # a run's record
-        tree = tree["config"]
+        tree = tree["resolved"] if isinstance(tree.get("resolved"), dict) else tree["config"]
     return _flatten(tree, path)
 
 
@@ -79,9 +80,11 @@ def _flatten(tree: dict, path: str) -> dict:
     return values
 
 
-def dump(tree: dict, path: Path) -> None:
-    """A run file of `tree` (run_config.py: nested), which replays the run it came from."""
-    path.write_text(yaml.safe_dump(tree, sort_keys=False, width=100))
+def dump(tree: dict, path: Path, header: str = "") -> None:
+    """A run file of `tree` (run_config.py: nested), which replays the run it came from;
+    `header` goes first, as comment lines."""
+    comments = "".join(f"# {line}\n" for line in header.splitlines())
+    path.write_text(comments + yaml.safe_dump(tree, sort_keys=False, width=100))
 
 
 def describe(s: Setting) -> str:
