@@ -202,6 +202,45 @@ def test_deepspeeds_muon_runs_eagerly_on_a_cpu():
     assert patched["losses"][0] == stock["losses"][0]  # the first step is before any update
 
 
+NS_SCRIPT = """
+import importlib, json, torch
+from torch.optim import _muon
+from training.engines.muon import DEEPSPEED_MUON, newton_schulz, newton_schulz_in_fp32
+ds = importlib.import_module(DEEPSPEED_MUON)
+stock_torch, stock_ds = _muon._zeropower_via_newtonschulz, ds.ns_compute_dtype
+torch.manual_seed(0)
+ab, mats = (3.4445, -4.7750, 2.0315), [torch.randn(48, 96), torch.randn(96, 48)]
+faithful = all(torch.equal(newton_schulz(m, ab, 5, 1e-7, dtype=torch.bfloat16),
+                           stock_torch(m, ab, 5, 1e-7)) for m in mats)
+off = newton_schulz_in_fp32("cuda", "fp32") + newton_schulz_in_fp32("cpu", "bf16")
+before = str(ds.ns_compute_dtype("standard"))
+applied = newton_schulz_in_fp32("cpu", "fp32")
+kept = [m.clone() for m in mats]
+outs = [_muon._zeropower_via_newtonschulz(m, ab, 5, 1e-7) for m in mats]
+eager = getattr(ds.zeropower_via_newtonschulz5, "_torchdynamo_orig_callable", None)
+gap = max((o - stock_torch(m, ab, 5, 1e-7).float()).abs().max().item() for o, m in zip(outs, mats))
+print(json.dumps({"faithful": faithful, "off": off, "before": before, "applied": applied,
+                  "after": str(ds.ns_compute_dtype("standard")),
+                  "gram_kept": ds.ns_compute_dtype("gram") == stock_ds("gram"),
+                  "torch": sorted({str(o.dtype) for o in outs}), "ds": str(eager(mats[0], 5).dtype),
+                  "untouched": all(torch.equal(a, b) for a, b in zip(mats, kept)), "gap": gap}))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter: no stand-in of DeepSpeed's Muon from an earlier test
+def test_newton_schulz_runs_in_fp32_in_an_fp32_run_on_a_cpu():
+    """Stock, DeepSpeed's and torch's Muon orthogonalize in bf16, emulated on a CPU without bf16
+    units; patched, an fp32 run on a CPU computes it in fp32 (a bf16 run, or one on an
+    accelerator, keeps stock's). Torch's function is replaced by a copy, which in bf16 gives
+    stock's result bit for bit and leaves its input alone in fp32."""
+    got = fresh_interpreter(NS_SCRIPT)
+    assert got["faithful"] and got["off"] == [] and got["before"] == "torch.bfloat16"
+    assert got["applied"] == ["muon_ns_fp32_on_cpu_deepspeed", "muon_ns_fp32_on_cpu_torch"]
+    assert got["after"] == "torch.float32" and got["gram_kept"] and got["untouched"]
+    assert got["torch"] == ["torch.float32"] and got["ds"] == "torch.float32"
+    assert 0 < got["gap"] < 0.1, got  # bf16's rounding, and no more
+
+
 UNTIED_SCRIPT = """
 import json, os, sys, torch, deepspeed
 from models import build_model

@@ -21,6 +21,7 @@ from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 from models import transformer_blocks
 from training.engines.base import Engine, OptimizerHparams, StepResult
 from training.engines.expert_parallel import capture_router_logits
+from training.engines.muon import newton_schulz_in_fp32
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, group_lr, param_groups, tag_muon
 from training.engines.overflow import fuse_overflow_test
@@ -29,7 +30,7 @@ from training.engines.spike_guard import deepspeed_norm_checks
 from training.memory.state_bytes import state_bytes
 from training.runtime import patches, safe_load
 from training.settings import parallel
-from training.settings.ds_config import zero_stage
+from training.settings.ds_config import precision, zero_stage
 
 
 def gather_blocks_whole(model) -> bool:
@@ -85,10 +86,13 @@ NEWTON_SCHULZ = ("zeropower_via_newtonschulz5", "zeropower_via_gram_newtonschulz
 
 def muon_modules(ds_config: dict, device_type: str) -> None:
     """DeepSpeed's Muon modules as the run needs them: stand-ins where its optimizer is not
-    Muon; where it is, zerostack's split kept and the eager update on a CPU."""
+    Muon; where it is, zerostack's split kept, and on a CPU the eager update and, in an fp32
+    run, Newton-Schulz in fp32."""
     stand_in_for_muon(ds_config)
     keep_muon_split(ds_config)
     eager_muon_on_cpu(ds_config, device_type)
+    if asks_for_muon(ds_config):
+        newton_schulz_in_fp32(device_type, precision(ds_config))
 
 
 def keep_muon_split(ds_config: dict) -> bool:

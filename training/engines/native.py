@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from training.engines.base import Engine, OptimizerHparams, StepResult
+from training.engines.muon import newton_schulz_in_fp32
 from training.engines.nonfinite import poison
 from training.engines.optim import group_lr, muon_split, native_optimizer
 from training.memory.state_bytes import state_bytes
@@ -45,6 +46,8 @@ class NativeEngine(Engine):
         on_meta = any(p.is_meta for p in model.parameters())
         self.model = self._wrap(model if on_meta else model.to(device))
         self.optimizer = native_optimizer(self.module, optimizer, muon, device_type=device.type)
+        if optimizer.muon_lr is not None:
+            newton_schulz_in_fp32(device.type, precision)
         self.optimizer_config = optimizer
         # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range and do not.
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None

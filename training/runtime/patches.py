@@ -109,6 +109,26 @@ PATCHES: dict[str, Patch] = {
         "tests/test_muon.py::test_deepspeeds_muon_runs_eagerly_on_a_cpu: patched against "
         "stock with torch.compile off, ZeRO-2 Muon steps bit for bit, no compiled graph",
     ),
+    "muon_ns_fp32_on_cpu_deepspeed": Patch(
+        "deepspeed",
+        "0.19.8",
+        "0.19.8",
+        "engines/muon.py makes DeepSpeed's ns_compute_dtype('standard') float32 in a Muon run "
+        "that trains in fp32 on a CPU; stock: bfloat16 wherever the accelerator takes it, which "
+        "a CPU without bf16 units does by emulation, several times slower than fp32",
+        "tests/test_muon.py::test_newton_schulz_runs_in_fp32_in_an_fp32_run_on_a_cpu: patched "
+        "against stock (the dtype DeepSpeed's Newton-Schulz computes in)",
+    ),
+    "muon_ns_fp32_on_cpu_torch": Patch(
+        "torch",
+        "2.13.0",
+        "2.13.0",
+        "engines/muon.py puts a copy of torch.optim._muon._zeropower_via_newtonschulz with "
+        "float32 in place of its bfloat16 in a Muon run that trains in fp32 on a CPU; stock: "
+        "bfloat16, emulated and several times slower than fp32 on a CPU without bf16 units",
+        "tests/test_muon.py::test_newton_schulz_runs_in_fp32_in_an_fp32_run_on_a_cpu: the copy "
+        "in bfloat16 against stock, bit for bit; in float32, the dtype it computes in",
+    ),
     "muon_split_tags": Patch(
         "deepspeed",
         "0.19.8",
