@@ -16,8 +16,8 @@ from deepspeed.runtime.lr_schedules import WarmupDecayLR
 from training.errors import ConfigError
 from training.loop.schedule import Schedule
 from training.settings import ds_config as C
-from training.settings import hparams
 from training.settings import ds_sections as keys
+from training.settings import hparams
 from training.settings.run_config import OptimConfig
 from training.train import main
 

@@ -43,7 +43,6 @@ from training.engines import Engine, build_engine, replicas
 from training.engines.construct import build_for_engine
 from training.engines.spike_guard import SpikeGuard
 from training.errors import HUNG, CheckpointError, ConfigError
-from training.run_exit import record_ending, refused, run_guarded
 from training.loop import Evaluator, LoopConfig, LoopState, RunLogger, Saver, run
 from training.loop.followups import Followups
 from training.loop.loop import LiveCeiling
@@ -61,6 +60,7 @@ from training.record import (
     world_change,
     write_record,
 )
+from training.run_exit import record_ending, refused, run_guarded
 from training.runtime import distributed, hang, launcher, signals
 from training.runtime.distributed import DistInfo
 from training.runtime.flops import DTYPES, ceiling_drift, model_shapes, run_ceiling

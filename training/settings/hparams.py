@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 
 from training.errors import ConfigError
-from training.settings.run_config import OptimConfig
 from training.settings.ds_sections import is_whole, near
+from training.settings.run_config import OptimConfig
 
 DEFAULTS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 DEFAULT_WARMUP = 20

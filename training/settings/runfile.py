@@ -21,8 +21,8 @@ from pathlib import Path
 import yaml
 
 from training.errors import ConfigError
-from training.settings.run_config import Setting, settings
 from training.settings.ds_sections import near
+from training.settings.run_config import Setting, settings
 
 
 class _Loader(yaml.SafeLoader):
