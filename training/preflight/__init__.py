@@ -85,7 +85,6 @@ class Prepared:
     asked: RunConfig  # the configuration as given (flags over the run file)
     ds_config: dict  # resolved: no "auto" left, the batch triplet derived
     config_path: str
-    ds_json: dict  # the DeepSpeed JSON as read: what the run file keeps (RUN/run.yaml)
     precision: str  # bf16 | fp16 | fp32: what the run trains in (planned, until settled)
     precision_asked: str  # auto | bf16 | fp16 | fp32
     # Why, and the rates measured; None until settle_precision (a CPU measures once the process
@@ -102,8 +101,9 @@ class Prepared:
     model_overrides: dict | None = None  # config fields the model is built with (positions)
     attention: str = "sdpa"  # our model's attention kernel, --attention made concrete
     switches: Switches = Switches()  # every behaviour switch, resolved (switches.py)
-    # What settle_precision re-resolves the config from when a CPU's measurement changes the plan
-    raw_config: dict | None = None  # flags applied, precision not
+    # The DeepSpeed JSON as read (--nvme-path applied): what settle_precision re-resolves when a
+    # CPU's measurement changes the plan, and what RUN/run.yaml holds
+    raw_config: dict | None = None
     host: Host | None = None
     shape: object = None  # the model's counted shape (memory/shape.py)
     followups: tuple = ()  # background work on sealed checkpoints (loop/followups.py: Job)
@@ -143,7 +143,6 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     check_launch_env()
     device = accelerator().device_name()
     raw, cfg_path = load_config(config, device)
-    ds_json = copy.deepcopy(raw)
     log = rank0_printer(rank)
     manifest = load_data(config.data.path, config.data.seq_len, verify=True, log=log)
     overrides = model_overrides(config.model.name, config.data.seq_len, config.model.qk_norm)
@@ -192,7 +191,6 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
         asked=config,
         ds_config=cfg,
         config_path=cfg_path,
-        ds_json=ds_json,
         precision=precision,
         precision_asked=want,
         precision_choice=None,

@@ -46,7 +46,7 @@ def concrete(asked: RunConfig, found) -> tuple[RunConfig, dict[str, str]]:
     pipe = cfg.get("pipeline", {})
     engine = replace(
         asked.engine,
-        ds_config=found.ds_json,
+        ds_config=found.raw_config,
         precision=found.precision,
         pipeline_stages=ds_config.pipeline_stages(cfg) if pipe else None,
         pipeline_partition=pipe.get("partition", "parameters") if pipe else None,
