@@ -63,20 +63,20 @@ def newton_schulz_in_fp32(device_type: str, precision: str) -> list[str]:
     done = []
     if patches.verified("muon_ns_fp32_on_cpu_deepspeed"):
         module = importlib.import_module(DEEPSPEED_MUON)
-        stock = getattr(module.ns_compute_dtype, "stock", module.ns_compute_dtype)
+        ds_stock = getattr(module.ns_compute_dtype, "stock", module.ns_compute_dtype)
 
         def ns_compute_dtype(ns_method: str) -> torch.dtype:
-            return torch.float32 if ns_method == "standard" else stock(ns_method)
+            return torch.float32 if ns_method == "standard" else ds_stock(ns_method)
 
-        ns_compute_dtype.stock = stock
+        ns_compute_dtype.stock = ds_stock
         module.ns_compute_dtype = ns_compute_dtype
         done.append("muon_ns_fp32_on_cpu_deepspeed")
     if patches.verified("muon_ns_fp32_on_cpu_torch"):
         from torch.optim import _muon
 
-        stock = getattr(_muon._zeropower_via_newtonschulz, "stock", None)
+        torch_stock = getattr(_muon._zeropower_via_newtonschulz, "stock", None)
         fp32 = functools.partial(newton_schulz, dtype=torch.float32)
-        fp32.stock = stock or _muon._zeropower_via_newtonschulz
+        fp32.stock = torch_stock or _muon._zeropower_via_newtonschulz
         _muon._zeropower_via_newtonschulz = fp32
         done.append("muon_ns_fp32_on_cpu_torch")
     return done
