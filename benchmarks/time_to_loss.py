@@ -1,6 +1,6 @@
 """Wall time to a target validation loss: the trainer's recipes against the loops people run.
 
-    python -m benchmarks.time_to_loss                       # small, target 5.2, 3 rounds
+    python -m benchmarks.time_to_loss                       # small, target 5.6, 3 rounds
     python -m benchmarks.time_to_loss --target 5.4 --rounds 2 --max-minutes 15
 
 Every arm trains the same model (one set of initial weights, saved once from the seed) from
@@ -327,9 +327,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.time_to_loss", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--target", type=float, default=5.2, help="the validation loss to reach")
+    p.add_argument("--target", type=float, default=5.6, help="the validation loss to reach")
     p.add_argument("--rounds", type=int, default=3, help="every arm once a round")
-    p.add_argument("--max-minutes", type=float, default=12.0, help="a run's limit")
+    p.add_argument("--max-minutes", type=float, default=10.0, help="a run's limit")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated: {', '.join(ARMS)}")
     p.add_argument("--data", default="data_cache/pystdlib", help="prepared data (made if absent)")
     p.add_argument("--model", default="small", help="a preset")
