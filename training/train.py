@@ -318,7 +318,7 @@ def use_preference(config: RunConfig, engine: Engine, train_ds, val_ds, started)
         engine,
         {"train": train_ds, "val": val_ds},
         Path(config.out),
-        kind="dpo" if objective == "auto" else objective,
+        kind=objective,  # concrete: preflight/resolved.py decides "auto"
         beta=config.optim.dpo_beta,
         resumed_from=None if resume is None else reference.source_folder(resume.root),
         micro_batch=started.prepared.micro_batch,
