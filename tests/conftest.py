@@ -22,6 +22,7 @@ from benchmarks.matrix.inputs import (  # noqa: F401  (test files import them fr
 from benchmarks.matrix.runner import rank_exit_codes  # noqa: F401  (test files import it here)
 from launch.launcher_argv import launcher_command
 from launch.supervise import run_marked
+from training.runtime import build_locks
 from training.runtime.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,7 +128,12 @@ def pytest_collection_finish(session) -> None:
     """A session with slow tests builds the ops they load from the start, on idle CPU
     (tests/scripts/build_ops.py): on a cold extension cache that is about 7 minutes of a
     2-core machine (async_io alone 4) the tests would otherwise wait for. Never stopped: a
-    build cut short leaves torch's lock behind, which every later load would wait on."""
+    build cut short leaves torch's lock behind, which every later load would wait on: such
+    locks, left by an earlier run, go first."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for line in build_locks.clear_stale():
+        if reporter is not None:
+            reporter.write_line(f"note: {line}")
     if any(item.get_closest_marker("slow") for item in session.items):
         subprocess.Popen(
             [PY, "tests/scripts/build_ops.py", *SUITE_OPS],

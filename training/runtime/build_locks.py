@@ -1,7 +1,9 @@
 """Stale build locks of DeepSpeed's compiled ops. DeepSpeed builds its ops (the shared-memory
 collectives, CPU Adam, async_io) on first use through torch's extension loader, which holds a
 `lock` file in the op's build folder while it compiles. A process killed mid-build leaves the
-file behind, and every later run that needs the op waits for it forever, printing nothing."""
+file behind, and every later run that needs the op waits for it forever, printing nothing.
+Such a lock is removed before any work: torch runs ninja in the op's folder for the whole
+build, so a lock that no process works beside is a build that is over."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from pathlib import Path
 # The longest build seen: async_io, about 6 minutes on 2 cores; a lock older than this is not a
 # build in progress.
 STALE_AFTER_S = 20 * 60
+# From taking the lock to starting ninja in the folder, torch writes build.ninja and hashes the
+# sources: well under a second. Past this age a lock nobody builds beside is stale.
+UNATTENDED_AFTER_S = 2 * 60
 
 
 def build_root() -> Path:
@@ -30,11 +35,35 @@ def stale_locks(root: Path | None = None, older_than_s: float = STALE_AFTER_S) -
     return sorted(p for p in found if now - p.stat().st_mtime > older_than_s)
 
 
-def warnings(root: Path | None = None) -> list[str]:
-    """One line for each stale lock: what it is and what to do."""
-    return [
-        f"{p} is {(time.time() - p.stat().st_mtime) / 60:.0f} min old: a build of DeepSpeed's "
-        f"'{p.parent.name}' op was cut short, and a run that needs that op waits for this file "
-        "forever; delete it unless a build is running now"
-        for p in stale_locks(root)
-    ]
+def building_in(folder: Path) -> bool | None:
+    """Whether a process works in `folder` (its current directory); None where the system does
+    not say (no /proc)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "cwd").exists():
+        return None
+    folder = folder.resolve()
+    for cwd in proc.glob("[0-9]*/cwd"):
+        try:
+            if Path(os.readlink(cwd)) == folder:
+                return True
+        except OSError:  # a process that ended, or one we may not look into
+            continue
+    return False
+
+
+def clear_stale(root: Path | None = None) -> list[str]:
+    """Removes the locks of builds that are over and says so, a line each: a lock no process
+    builds beside once torch would have started ninja, or any lock older than the longest build
+    where the system cannot say who works where."""
+    lines = []
+    for p in stale_locks(root, UNATTENDED_AFTER_S):
+        age_min = (time.time() - p.stat().st_mtime) / 60
+        building = building_in(p.parent)
+        if building or (building is None and age_min * 60 <= STALE_AFTER_S):
+            continue
+        p.unlink(missing_ok=True)  # every rank may find it: whoever is first removes it
+        lines.append(
+            f"removed {p}, {age_min:.0f} min old: a build of DeepSpeed's '{p.parent.name}' op "
+            "was cut short there, and every run that needs the op would have waited on it"
+        )
+    return lines
