@@ -288,6 +288,30 @@ def moe(results: Path) -> str:
     return table(head, rows, {2, 3, 4, 5}) + tail
 
 
+def moe_experts(results: Path) -> str:
+    """benchmarks/bench_moe_experts.py: one MoE layer's experts, forward and backward, as one
+    grouped matmul per projection against a matmul per expert; medians with min and max."""
+    d = load(results, "moe_experts.json")
+    rows = []
+    for r in d["rows"]:
+        cells = [str(r["experts"])]
+        for arm in ("grouped", "loop"):
+            lo, hi = r["min"][arm] * 1e3, r["max"][arm] * 1e3
+            cells.append(f"{r['median'][arm] * 1e3:,.1f} ({lo:,.1f}-{hi:,.1f})")
+        cells += [f"{r['loop_over_grouped']:.2f}", f"{r['max_relative_gap']:.1e}", where(d)]
+        rows.append(cells)
+    head = ["experts", "grouped ms (range)", "loop ms (range)", "loop / grouped",
+            "largest gap", "host, date"]  # fmt: skip
+    sh = d["shape"]
+    tail = (
+        f"\n\n{d['dtype']}, {sh['tokens']:,} tokens a step, top-{sh['top_k']}, hidden "
+        f"{sh['hidden']:,}, each expert {sh['width']:,} wide, one thread; medians of "
+        f"{d['rounds']} interleaved rounds. The largest gap is the largest difference between "
+        "the arms' outputs and gradients, relative to the loop's largest value."
+    )
+    return table(head, rows, {0, 1, 2, 3, 4}) + tail
+
+
 def trl_sft(results: Path) -> str:
     return peer_table(load(results, "trl_sft.json"))
 

@@ -39,11 +39,47 @@ from models.llama import (
     FeedForward,
     ZeroStackForCausalLM,
     _linear,
+    compute_dtype,
 )
+
+# (device type, dtype, compiled) -> whether torch._grouped_mm runs there (grouped_mm_runs)
+_GROUPED: dict[tuple[str, torch.dtype, bool], bool] = {}
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype, compiled: bool = False) -> bool:
+    """Whether torch._grouped_mm runs on `device` in `dtype`, forward and backward with an empty
+    group, and `compiled`: under torch.compile too. Tried once per device type and dtype. CPU
+    runs it eagerly in every float dtype; compiled, torch traces it in bf16 alone; CUDA has it
+    where it has a grouped kernel (bf16 on recent devices). Elsewhere the experts loop."""
+    key = (device.type, dtype, compiled)
+    if key not in _GROUPED:
+        _GROUPED[key] = _try_grouped_mm(device, dtype) and (
+            not compiled or _try_grouped_mm(torch.device("meta"), dtype)  # what tracing runs
+        )
+    return _GROUPED[key]
+
+
+@torch.compiler.disable
+def _try_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        with torch.enable_grad():
+            a = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, 32, 16, device=device, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([0, 32], device=device, dtype=torch.int32)
+            out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+            (out * out).sum().backward()  # an expanded gradient (sum alone) it refuses
+        if device.type == "meta":
+            return True
+        return bool(out.float().eq(16).all()) and bool(b.grad[1].eq(2 * 16 * 32).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 class Experts(nn.Module):
-    """`num_experts` SwiGLU MLPs as stacked weights; tokens are gathered expert by expert."""
+    """`num_experts` SwiGLU MLPs as stacked weights; each projection of every expert's tokens is
+    one grouped matmul where the device has one."""
 
     def __init__(self, config: ZeroStackMoeConfig):
         super().__init__()
@@ -57,10 +93,44 @@ class Experts(nn.Module):
         self.down_proj.init_std = std / math.sqrt(2 * config.num_hidden_layers)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x (tokens, H); index, weight (tokens, k): each token's experts and their weights."""
+        """x (tokens, H); index, weight (tokens, k): each token's experts and their weights.
+        Every expert's tokens in one grouped matmul per projection where the device has one
+        (`grouped_mm_runs`), else a matmul per expert (`loop_forward`)."""
+        dtype = compute_dtype(x)
+        if torch.compiler.is_compiling():  # the choice the model's eager forward made (no probe)
+            grouped = _GROUPED.get((x.device.type, dtype, True), False)
+        else:
+            grouped = grouped_mm_runs(x.device, dtype)
+        if not grouped:
+            return self.loop_forward(x, index, weight)
         k = index.shape[1]
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        # the groups' ends stay on the device: no host sync (bincount's CUDA kernel has one)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)
+        tokens = order // k
+        rows = x[tokens].to(dtype)
+        gate_up = torch._grouped_mm(rows, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=ends)
+        gate, up = gate_up.chunk(2, dim=-1)
+        down = self.down_proj.to(dtype).transpose(-2, -1)
+        y = torch._grouped_mm(F.silu(gate) * up, down, offs=ends)
+        weights = weight.reshape(-1)[order].unsqueeze(1)
+        # in expert order, as the loop adds them: each token's k outputs summed in the same order
+        return torch.zeros_like(x).index_add_(0, tokens, (y * weights).to(x.dtype))
+
+    # Never compiled: its tokens per expert are Python ints, which Dynamo would specialise on
+    # and recompile the block for at every new count until its limit.
+    @torch.compiler.disable
+    def loop_forward(
+        self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` as a matmul per expert: the reference the grouped path is held to, and the
+        path of devices without a grouped matmul (a host sync for the tokens per expert)."""
+        k = index.shape[1]
+        flat = index.reshape(-1)
+        order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k
         weights = weight.reshape(-1)[order].unsqueeze(1)
@@ -236,6 +306,21 @@ class ZeroStackMoeForCausalLM(ZeroStackForCausalLM):
         else:
             super()._init_weights(module)
 
+    def _choose_expert_matmuls(self, input_ids, inputs_embeds) -> None:
+        """Try the grouped matmul for this forward's device and dtype, eagerly: compiled blocks
+        read the answer (Experts.forward) rather than break their graph to try it."""
+        given = input_ids if input_ids is not None else inputs_embeds
+        if given is None:
+            return
+        device = given.device
+        dtype = (
+            torch.get_autocast_dtype(device.type)
+            if torch.is_autocast_enabled(device.type)
+            else self.get_input_embeddings().weight.dtype
+        )
+        grouped_mm_runs(device, dtype)
+        grouped_mm_runs(device, dtype, compiled=True)
+
     def moe_layers(self) -> list[nn.Module]:
         """The routed MLPs: ours, or what expert parallelism put in their place (it keeps their
         `router_logits` up to date, training/engines/)."""
@@ -257,6 +342,7 @@ class ZeroStackMoeForCausalLM(ZeroStackForCausalLM):
         keeps, else the real tokens of the targets (`real_tokens`) when labels are given, else
         every token. `router_group`: the ranks holding the other slices of these sequences
         (sequence parallelism; `router_stats`)."""
+        self._choose_expert_matmuls(input_ids, kwargs.get("inputs_embeds"))
         out = super().forward(input_ids, attention_mask, labels, shift_labels, *args, **kwargs)
         layers = self.moe_layers()
         logits = [m.router_logits for m in layers]

@@ -41,6 +41,7 @@ PLANTS = {
         lambda d: d["earlier_run"]["rows"][2].update(forward_backward_ms=999.0),
     ),
     "moe": ("moe.json", lambda d: d["summary"][1].update(tokens_per_s=9999.0)),
+    "moe_experts": ("moe_experts.json", lambda d: d["rows"][1]["median"].update(loop=9.5)),
     "trl_sft": ("trl_sft.json", lambda d: d["summary"][0].update(trained_tokens_per_s=3300.0)),
     "trl_dpo": ("trl_dpo.json", lambda d: d["fp32_check"][0]["loss_step1"].__setitem__(1, 0.7)),
     "quickstart_cpu": (

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from models import ModelError, build_model, flops_per_token, get_config, num_params
-from models.moe import MoeFeedForward, router_metrics, take_router_totals
+from models.moe import Experts, MoeFeedForward, grouped_mm_runs, router_metrics, take_router_totals
 
 
 def reference_moe(x, gate_w, gate_up, down, top_k):
@@ -45,6 +45,56 @@ def test_routing_matches_a_token_by_token_reference(top_k):
         )
     assert experts == want_experts  # the same tokens go to the same experts
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # with the same weights
+
+
+def experts_and_inputs(num_experts: int, tokens: int = 512, top_k: int = 2):
+    config = get_config("tiny-moe", num_experts=num_experts, num_experts_per_tok=top_k)
+    experts = Experts(config)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(tokens, config.hidden_size, requires_grad=True)
+    index = torch.randint(0, num_experts, (tokens, top_k))
+    index[:, 0] = index[:, 0] % (num_experts - 1)  # the last expert may get no token: a group of 0
+    weight = torch.rand(tokens, top_k)
+    return experts, x, index, weight
+
+
+def forward_backward(fn, experts, x, index, weight):
+    x.grad = None
+    experts.zero_grad()
+    out = fn(x, index, weight)
+    out.square().sum().backward()
+    return out.detach(), x.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+
+@pytest.mark.parametrize("num_experts", [8, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_give_the_loops_numbers(num_experts, dtype):
+    """One grouped matmul per projection against the matmul per expert it replaced: outputs and
+    every gradient within rounding (bf16 under autocast, as the engines run it)."""
+    torch.manual_seed(0)
+    assert grouped_mm_runs(torch.device("cpu"), dtype)  # CPU has it in every float dtype
+    experts, x, index, weight = experts_and_inputs(num_experts)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        grouped = forward_backward(experts.forward, experts, x, index, weight)
+        loop = forward_backward(experts.loop_forward, experts, x, index, weight)
+    for got, want in zip(grouped, loop, strict=True):
+        torch.testing.assert_close(got, want)  # fp32 rounding in fp32, both ways in bf16
+
+
+def test_grouped_experts_hold_no_host_value():
+    """The grouped path traces as one graph: no `.tolist()` or `.item()` of the tokens per
+    expert, each of which is a device-to-host sync per layer on a GPU (and a graph break under
+    torch.compile); the loop has one. Compiled, torch traces the grouped matmul in bf16 only."""
+    cpu = torch.device("cpu")
+    assert grouped_mm_runs(cpu, torch.bfloat16, compiled=True)
+    assert not grouped_mm_runs(cpu, torch.float32, compiled=True)  # the loop, compiled in fp32
+    experts, x, index, weight = experts_and_inputs(16, tokens=64)
+    experts, x = experts.bfloat16(), x.detach().bfloat16()
+    grouped = torch._dynamo.explain(experts.forward)(x, index, weight)
+    loop = torch._dynamo.explain(experts.loop_forward)(x, index, weight)
+    assert grouped.graph_break_count == 0 and grouped.graph_count == 1, grouped.break_reasons
+    assert loop.graph_count == 0  # eager: nothing to recompile at every new count
 
 
 def test_router_runs_in_fp32_under_bf16_autocast():

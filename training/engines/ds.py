@@ -20,7 +20,7 @@ from deepspeed.utils import safe_set_full_fp32_param, set_z3_leaf_modules
 
 from models import transformer_blocks
 from training.engines.base import Engine, OptimizerHparams, StepResult
-from training.engines.expert_parallel import capture_router_logits
+from training.engines.expert_parallel import adopt_layers
 from training.engines.muon import newton_schulz_in_fp32
 from training.engines.nonfinite import poison
 from training.engines.optim import adamw, group_lr, param_groups, tag_muon
@@ -207,7 +207,7 @@ class DeepSpeedEngine(Engine):
         self.tensor_parallel = tp
         self.expert_parallel = parallel.expert_size(ds_config)
         if self.expert_parallel > 1:  # AutoEP replaced the routed MLPs
-            capture_router_logits(self.engine.module)
+            adopt_layers(self.engine.module)
         # ZeRO-3 marks the weights its persistence threshold covers (settings/ds_config.py:
         # persistence_threshold); all of them: held gathered across micro-steps
         params = list(self.engine.module.parameters())

@@ -25,6 +25,7 @@ refuses the combination before any work.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from training.errors import ConfigError
@@ -45,6 +46,13 @@ def autoep_section(ep_size: int) -> dict:
     }
 
 
+def adopt_layers(model: nn.Module) -> None:
+    """What our model needs of the layers AutoEP put in place of its routed MLPs: their router
+    logits kept, and their forward kept out of compiled graphs."""
+    capture_router_logits(model)
+    run_eagerly(model)
+
+
 def capture_router_logits(model: nn.Module) -> int:
     """Make every AutoEP layer of `model` keep its router's fp32 logits of the last forward in
     `router_logits`, as our own routed MLP does; returns how many layers."""
@@ -56,6 +64,17 @@ def capture_router_logits(model: nn.Module) -> int:
             layer.router_logits = output.float()
 
         layer.router.gate.register_forward_hook(keep)
+    return len(layers)
+
+
+def run_eagerly(model: nn.Module) -> int:
+    """Keep every AutoEP layer of `model` out of torch.compile's graphs: it sends the tokens per
+    expert between ranks as Python lists (all_to_all splits), on which Dynamo would specialise
+    and recompile the block at every new split until its limit. The compiled parts of a block
+    run around it. Returns how many layers."""
+    layers = [m for m in model.modules() if type(m).__name__ == "AutoEPMoELayer"]
+    for layer in layers:
+        layer.forward = torch.compiler.disable(layer.forward)
     return len(layers)
 
 
