@@ -131,9 +131,9 @@ def pytest_collection_finish(session) -> None:
     build cut short leaves torch's lock behind, which every later load would wait on: such
     locks, left by an earlier run, go first."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    for line in build_locks.clear_stale():
+    for line in build_locks.clear_stale(after_s=build_locks.UNATTENDED_AFTER_S):  # one host
         if reporter is not None:
-            reporter.write_line(f"note: {line}")
+            reporter.write_line(line)
     if any(item.get_closest_marker("slow") for item in session.items):
         subprocess.Popen(
             [PY, "tests/scripts/build_ops.py", *SUITE_OPS],

@@ -154,7 +154,7 @@ def prepare_run(config: RunConfig, world: int, rank: int = 0) -> Prepared:
     for line in patches.unverified_lines():  # each patch outside its verified versions, once
         log(f"warning: {line}")
     for line in build_locks.clear_stale():  # a killed op build: the run would wait on it silently
-        log(f"note: {line}")
+        log(line)
     want = precisions.asked(config.engine.precision, raw, cfg_path)
     precision = precisions.PLANNED if want == "auto" else want  # chosen at the end
     cfg, switches = resolve_with_switches(

@@ -51,19 +51,28 @@ def building_in(folder: Path) -> bool | None:
     return False
 
 
-def clear_stale(root: Path | None = None) -> list[str]:
-    """Removes the locks of builds that are over and says so, a line each: a lock no process
-    builds beside once torch would have started ninja, or any lock older than the longest build
-    where the system cannot say who works where."""
+def clear_stale(root: Path | None = None, after_s: float = STALE_AFTER_S) -> list[str]:
+    """Removes the locks of builds that are over, a `note:` line each: a lock older than
+    `after_s` that no process on this host builds beside. One younger than that (but past the
+    start of any build) gets a `warning:` line instead: a host sharing the folder (a home on a
+    network filesystem) may be building there, which this host cannot see. The trainer waits
+    the longest build (STALE_AFTER_S); the test suite, on one host, UNATTENDED_AFTER_S."""
     lines = []
     for p in stale_locks(root, UNATTENDED_AFTER_S):
-        age_min = (time.time() - p.stat().st_mtime) / 60
+        age_s = time.time() - p.stat().st_mtime
         building = building_in(p.parent)
-        if building or (building is None and age_min * 60 <= STALE_AFTER_S):
+        if building or (building is None and age_s <= STALE_AFTER_S):
+            continue
+        what = f"{p}, {age_s / 60:.0f} min old: a build of DeepSpeed's '{p.parent.name}' op"
+        if age_s <= after_s:
+            lines.append(
+                f"warning: {what} that no process on this host runs; unless another host "
+                "builds it in this folder now, delete the file: runs needing the op wait on it"
+            )
             continue
         p.unlink(missing_ok=True)  # every rank may find it: whoever is first removes it
         lines.append(
-            f"removed {p}, {age_min:.0f} min old: a build of DeepSpeed's '{p.parent.name}' op "
-            "was cut short there, and every run that needs the op would have waited on it"
+            f"note: removed {what} was cut short there, and every run that needs the op "
+            "would have waited on it"
         )
     return lines
