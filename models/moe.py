@@ -103,20 +103,16 @@ class Experts(nn.Module):
             grouped = grouped_mm_runs(x.device, dtype)
         if not grouped:
             return self.loop_forward(x, index, weight)
-        k = index.shape[1]
-        flat = index.reshape(-1)
-        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        flat, tokens, weights = _by_expert(index, weight)
         # the groups' ends stay on the device: no host sync (bincount's CUDA kernel has one)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)
-        tokens = order // k
         rows = x[tokens].to(dtype)
         gate_up = torch._grouped_mm(rows, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=ends)
         gate, up = gate_up.chunk(2, dim=-1)
         down = self.down_proj.to(dtype).transpose(-2, -1)
         y = torch._grouped_mm(F.silu(gate) * up, down, offs=ends)
-        weights = weight.reshape(-1)[order].unsqueeze(1)
         # in expert order, as the loop adds them: each token's k outputs summed in the same order
         return torch.zeros_like(x).index_add_(0, tokens, (y * weights).to(x.dtype))
 
@@ -128,12 +124,8 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """`forward` as a matmul per expert: the reference the grouped path is held to, and the
         path of devices without a grouped matmul (a host sync for the tokens per expert)."""
-        k = index.shape[1]
-        flat = index.reshape(-1)
-        order = flat.argsort(stable=True)
+        flat, tokens, weights = _by_expert(index, weight)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // k
-        weights = weight.reshape(-1)[order].unsqueeze(1)
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):
@@ -145,6 +137,14 @@ class Experts(nn.Module):
             out.index_add_(0, rows, (y * weights[start : start + n]).to(out.dtype))
             start += n
         return out
+
+
+def _by_expert(index: torch.Tensor, weight: torch.Tensor):
+    """(each slot's expert, its token, its weight (slots, 1)) of the (token, slot) pairs of
+    `index` and `weight` (tokens, k), grouped by expert in token order."""
+    flat = index.reshape(-1)
+    order = flat.argsort(stable=True)
+    return flat, order // index.shape[1], weight.reshape(-1)[order].unsqueeze(1)
 
 
 class MoeFeedForward(nn.Module):

@@ -46,6 +46,11 @@ def autoep_section(ep_size: int) -> dict:
     }
 
 
+def autoep_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers AutoEP put in place of `model`'s routed MLPs."""
+    return [m for m in model.modules() if type(m).__name__ == "AutoEPMoELayer"]
+
+
 def adopt_layers(model: nn.Module) -> None:
     """What our model needs of the layers AutoEP put in place of its routed MLPs: their router
     logits kept, and their forward kept out of compiled graphs."""
@@ -56,7 +61,7 @@ def adopt_layers(model: nn.Module) -> None:
 def capture_router_logits(model: nn.Module) -> int:
     """Make every AutoEP layer of `model` keep its router's fp32 logits of the last forward in
     `router_logits`, as our own routed MLP does; returns how many layers."""
-    layers = [m for m in model.modules() if type(m).__name__ == "AutoEPMoELayer"]
+    layers = autoep_layers(model)
     for layer in layers:
         layer.router_logits = None
 
@@ -72,7 +77,7 @@ def run_eagerly(model: nn.Module) -> int:
     expert between ranks as Python lists (all_to_all splits), on which Dynamo would specialise
     and recompile the block at every new split until its limit. The compiled parts of a block
     run around it. Returns how many layers."""
-    layers = [m for m in model.modules() if type(m).__name__ == "AutoEPMoELayer"]
+    layers = autoep_layers(model)
     for layer in layers:
         layer.forward = torch.compiler.disable(layer.forward)
     return len(layers)
